@@ -1,0 +1,27 @@
+#include "driver/link.h"
+
+#include <unistd.h>
+
+#include <atomic>
+
+namespace hcomm::driver {
+
+void Doorbell::ring(uint32_t value) const {
+  if (mmio != nullptr) {
+    // Device (write) barrier before the MMIO: the descriptor and the tail in
+    // the shadow block must be visible before the device is poked.
+    std::atomic_thread_fence(std::memory_order_release);
+    *mmio = value;
+    return;
+  }
+  if (eventfd >= 0) {
+    uint64_t one = 1;
+    // An eventfd write only fails on counter overflow, which a doorbell
+    // cannot reach in practice; a lost wake-up is also covered by the
+    // engine's bounded sleep.
+    ssize_t n = ::write(eventfd, &one, sizeof one);
+    (void)n;
+  }
+}
+
+}  // namespace hcomm::driver

@@ -1,0 +1,180 @@
+// One simulated NPU: register file, HBM, address translation table, DMA
+// engines. Fronts (vfio-user today, the QEMU/ivshmem front later) turn their
+// transport's messages into calls on this class; the device does not know
+// which front drives it.
+//
+// Threading: front calls come from the front's thread; engine threads run
+// descriptors. All public methods are thread-safe.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/fd.h"
+#include "common/status.h"
+#include "hal/abi/desc.h"
+#include "hal/abi/regs.h"
+#include "hal/abi/ring.h"
+
+namespace hcomm::sim {
+
+class Fabric;
+
+struct DeviceConfig {
+  uint32_t fabric_index = 0;
+  uint64_t hbm_size = 64ull << 20;
+  uint32_t num_queues = 4;
+  uint32_t max_queue_log2 = 16;
+  uint32_t num_att = 1024;
+  // Engine polling: spin this long on an idle queue before sleeping.
+  uint32_t spin_us = 50;
+};
+
+// Fault injection (sim/faults: command line and control socket).
+struct FaultState {
+  std::atomic<uint32_t> fail_next{0};     // next N descriptors complete with INJECTED
+  std::atomic<uint32_t> corrupt_next{0};  // next N COPYs flip one byte of the destination
+  std::atomic<int64_t> stall_until_ns{0}; // engines take no descriptor before this (steady clock)
+};
+
+// A host DMA mapping made by the client (vfio-user DMA_MAP).
+struct DmaRegion {
+  uint64_t bus_addr = 0;
+  uint64_t len = 0;
+  uint32_t prot = 0;  // driver::dma_prot bits
+  uint8_t* host = nullptr;  // our mmap of the client's memory
+};
+
+class Device {
+ public:
+  Device(const DeviceConfig& cfg, Fabric* fabric);
+  ~Device();
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  Status init();  // creates HBM memfd, starts engines
+
+  uint32_t fabric_index() const { return _cfg.fabric_index; }
+  const DeviceConfig& config() const { return _cfg; }
+
+  // ---- regions, as a front exposes them ----
+  // PCI config space (256 bytes, read-only except command register).
+  Status config_read(uint64_t offset, void* data, size_t len);
+  Status config_write(uint64_t offset, const void* data, size_t len);
+  // BAR0 registers: 4- or 8-byte accesses at natural alignment.
+  Status bar0_read(uint64_t offset, void* data, size_t len);
+  Status bar0_write(uint64_t offset, const void* data, size_t len);
+  // BAR2 = HBM: mmapable; the memfd and its size.
+  int hbm_fd() const { return _hbm_fd.get(); }
+  uint64_t hbm_size() const { return _cfg.hbm_size; }
+  uint8_t* hbm() const { return _hbm; }
+  // Slow-path HBM access for fronts without mmap (vfio-user REGION_READ/WRITE on BAR2).
+  Status hbm_access(uint64_t offset, void* data, size_t len, bool write);
+
+  // The eventfd a front hands out as the ioeventfd of queue q's doorbell:
+  // a write to it is the same as an MMIO write to reg::doorbell(q).
+  int doorbell_eventfd(uint32_t q) const;
+
+  // ---- host DMA space ----
+  // Takes ownership of fd (closes it), maps [offset, offset+len) of it.
+  Status dma_map(uint64_t bus_addr, uint64_t len, int fd, uint64_t offset, uint32_t prot);
+  Status dma_unmap(uint64_t bus_addr, uint64_t len);
+
+  // ---- interrupts ----
+  // MSI-X vector -> eventfd (takes ownership); fd -1 disconnects.
+  Status set_msix(uint32_t vector, int fd);
+  uint32_t msix_count() const { return _cfg.num_queues; }
+
+  // Full device reset: queues stopped (pending descriptors ABORTED), ATT cleared,
+  // registers to defaults. DMA mappings and MSI-X fds stay (they belong to the
+  // transport); client_gone() drops those too.
+  void reset();
+  // The front's client vanished: reset and drop everything it gave us.
+  void client_gone();
+
+  FaultState& faults() { return _faults; }
+
+  // Counters for probe/info and tests.
+  uint64_t completed() const { return _completed.load(std::memory_order_relaxed); }
+  uint64_t errors() const { return _err_count.load(std::memory_order_relaxed); }
+
+  // Translation used by a peer device's engine for KIND_PEER_HBM targets.
+  uint8_t* peer_hbm(uint64_t offset, uint64_t len);
+
+ private:
+  struct Queue;
+  struct AttEntry {
+    uint64_t iova = 0;
+    uint64_t len = 0;
+    uint64_t target = 0;
+    uint32_t flags = 0;
+    bool valid = false;
+  };
+  // Result of translating one IOVA range.
+  struct Xlate {
+    uint8_t* ptr = nullptr;
+    abi::CqStatus status = abi::CqStatus::OK;
+  };
+
+  Xlate translate(uint64_t iova, uint64_t len, bool write, bool src) const;  // holds _att_mu shared
+  uint8_t* host_ptr(uint64_t bus_addr, uint64_t len, uint32_t need_prot) const;  // holds _dma_mu shared
+  void att_command(uint32_t cmd);
+  void queue_enable(uint32_t q, bool on);
+  void engine_loop(Queue& q);
+  abi::CqStatus execute(Queue& q, const abi::SqEntry& d, uint64_t* fault_addr);
+  void log_error(uint32_t q, uint32_t sq_index, abi::CqStatus st, uint64_t addr);
+  void stop_queues();
+
+  DeviceConfig _cfg;
+  Fabric* _fabric;
+  UniqueFd _hbm_fd;
+  uint8_t* _hbm = nullptr;
+
+  mutable std::mutex _reg_mu;  // register file (front thread vs reset)
+  uint32_t _control = 0;
+  uint32_t _scratch = 0;
+  uint32_t _att_index = 0;
+  uint64_t _att_iova = 0, _att_len = 0, _att_target = 0;
+  uint32_t _att_flags = 0, _att_status = 0;
+  // ERR_LOG_* (guarded by _reg_mu; written by engines)
+  uint32_t _err_code = 0, _err_queue = 0, _err_index = 0;
+  uint64_t _err_addr = 0;
+  std::atomic<uint64_t> _err_count{0};
+  std::atomic<uint64_t> _completed{0};
+  uint16_t _pci_command = 0;
+
+  mutable std::shared_mutex _att_mu;
+  std::vector<AttEntry> _att;
+
+  mutable std::shared_mutex _dma_mu;
+  std::map<uint64_t, DmaRegion> _dma;  // by bus_addr
+
+  std::mutex _irq_mu;
+  std::vector<UniqueFd> _msix;
+
+  std::vector<std::unique_ptr<Queue>> _queues;
+  FaultState _faults;
+};
+
+// All devices of one hcomm-sim process: the intra-node fabric over which a
+// device's engines reach a peer's HBM.
+class Fabric {
+ public:
+  Status add(std::unique_ptr<Device> dev);
+  Device* device(uint32_t index) const;
+  uint32_t size() const { return static_cast<uint32_t>(_devices.size()); }
+
+ private:
+  std::vector<std::unique_ptr<Device>> _devices;
+};
+
+}  // namespace hcomm::sim
