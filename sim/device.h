@@ -27,6 +27,8 @@
 
 namespace hcomm::sim {
 
+namespace abi = hcomm::hal::abi;
+
 class Fabric;
 
 struct DeviceConfig {

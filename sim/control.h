@@ -1,0 +1,45 @@
+// Fault injection and inspection: a line protocol on DIR/control.sock, and
+// the same commands from the command line (hcomm-sim --fault "fail 0 3").
+//
+//   fail DEV N      next N well-formed descriptors on DEV complete with INJECTED
+//   corrupt DEV N   next N COPYs on DEV flip one byte of the destination (status OK)
+//   stall DEV MS    DEV's engines take no descriptor for MS milliseconds
+//   clear DEV       cancel all of the above
+//   stats DEV       "ok completed=N errors=N"
+//   ping            "ok"
+// Each request is one line; each reply is one line starting "ok" or "error".
+#pragma once
+
+#include <atomic>
+#include <string>
+#include <thread>
+
+#include "common/fd.h"
+#include "common/status.h"
+
+namespace hcomm::sim {
+
+class Fabric;
+
+// Executes one command line against the fabric; returns the reply line.
+std::string control_command(Fabric& fabric, const std::string& line);
+
+class ControlServer {
+ public:
+  explicit ControlServer(Fabric& fabric) : _fabric(fabric) {}
+  ~ControlServer() { stop(); }
+  Status start(const std::string& path);
+  void stop();
+
+ private:
+  void loop();
+  void serve(int fd);
+
+  Fabric& _fabric;
+  std::string _path;
+  UniqueFd _listen;
+  std::atomic<bool> _stop{false};
+  std::thread _thread;
+};
+
+}  // namespace hcomm::sim

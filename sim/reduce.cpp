@@ -1,0 +1,144 @@
+#include "sim/reduce.h"
+
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+namespace hcomm::sim {
+
+namespace abi = hcomm::hal::abi;
+
+float half_to_float(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do {
+        ++e;
+        man <<= 1;
+      } while ((man & 0x400u) == 0);
+      bits = sign | (uint32_t(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  uint32_t absx = x & 0x7fffffffu;
+  if (absx >= 0x7f800000u)  // inf or NaN (keep NaN quiet)
+    return sign | (absx > 0x7f800000u ? 0x7e00u : 0x7c00u);
+  if (absx >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65520: overflow to inf
+  if (absx < 0x38800000u) {                        // below the smallest normal half: subnormal/zero
+    if (absx < 0x33000000u) return sign;           // < 2^-25 rounds to 0
+    uint32_t e = absx >> 23;
+    uint32_t man = (absx & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126 - e;  // 14 + (113 - e) - ... : bring to a 10-bit subnormal mantissa
+    uint32_t half_man = man >> shift;
+    uint32_t rem = man & ((1u << shift) - 1);
+    uint32_t halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (half_man & 1u))) ++half_man;
+    return sign | static_cast<uint16_t>(half_man);
+  }
+  uint32_t e = (absx >> 23) - 127 + 15;
+  uint32_t man = absx & 0x7fffffu;
+  uint32_t h = (e << 10) | (man >> 13);
+  uint32_t rem = man & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // may carry into exponent: correct
+  return sign | static_cast<uint16_t>(h);
+}
+
+float bf16_to_float(uint16_t b) {
+  uint32_t bits = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t float_to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet NaN
+  uint32_t lsb = (x >> 16) & 1u;
+  x += 0x7fffu + lsb;
+  return static_cast<uint16_t>(x >> 16);
+}
+
+namespace {
+
+template <typename T>
+T apply(abi::RedOp op, T a, T b) {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    switch (op) {
+      case abi::RedOp::SUM: return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
+      case abi::RedOp::PROD: return static_cast<T>(static_cast<U>(a) * static_cast<U>(b));
+      case abi::RedOp::MAX: return a > b ? a : b;
+      case abi::RedOp::MIN: return a < b ? a : b;
+    }
+  } else {
+    switch (op) {
+      case abi::RedOp::SUM: return a + b;
+      case abi::RedOp::PROD: return a * b;
+      case abi::RedOp::MAX: return std::fmax(a, b);
+      case abi::RedOp::MIN: return std::fmin(a, b);
+    }
+  }
+  return a;
+}
+
+template <typename T>
+void reduce_typed(abi::RedOp op, uint8_t* dst, const uint8_t* src, uint64_t n) {
+  for (uint64_t i = 0; i < n; ++i) {
+    T a, b;
+    std::memcpy(&a, dst + i * sizeof(T), sizeof(T));
+    std::memcpy(&b, src + i * sizeof(T), sizeof(T));
+    T r = apply<T>(op, a, b);
+    std::memcpy(dst + i * sizeof(T), &r, sizeof(T));
+  }
+}
+
+template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
+void reduce_half(abi::RedOp op, uint8_t* dst, const uint8_t* src, uint64_t n) {
+  for (uint64_t i = 0; i < n; ++i) {
+    uint16_t a, b;
+    std::memcpy(&a, dst + i * 2, 2);
+    std::memcpy(&b, src + i * 2, 2);
+    uint16_t r = FromF(apply<float>(op, ToF(a), ToF(b)));
+    std::memcpy(dst + i * 2, &r, 2);
+  }
+}
+
+}  // namespace
+
+void reduce(abi::DType dtype, abi::RedOp op, uint8_t* dst, const uint8_t* src, uint64_t count) {
+  switch (dtype) {
+    case abi::DType::INT8: return reduce_typed<int8_t>(op, dst, src, count);
+    case abi::DType::INT16: return reduce_typed<int16_t>(op, dst, src, count);
+    case abi::DType::INT32: return reduce_typed<int32_t>(op, dst, src, count);
+    case abi::DType::INT64: return reduce_typed<int64_t>(op, dst, src, count);
+    case abi::DType::UINT8: return reduce_typed<uint8_t>(op, dst, src, count);
+    case abi::DType::UINT16: return reduce_typed<uint16_t>(op, dst, src, count);
+    case abi::DType::UINT32: return reduce_typed<uint32_t>(op, dst, src, count);
+    case abi::DType::UINT64: return reduce_typed<uint64_t>(op, dst, src, count);
+    case abi::DType::FP16: return reduce_half<half_to_float, float_to_half>(op, dst, src, count);
+    case abi::DType::BF16: return reduce_half<bf16_to_float, float_to_bf16>(op, dst, src, count);
+    case abi::DType::FP32: return reduce_typed<float>(op, dst, src, count);
+    case abi::DType::FP64: return reduce_typed<double>(op, dst, src, count);
+  }
+}
+
+}  // namespace hcomm::sim
