@@ -1,0 +1,243 @@
+#include "hal/npu/device.h"
+
+#include <chrono>
+#include <thread>
+
+#include "common/time.h"
+#include "hal/npu/dma_queue.h"
+
+namespace hcomm::hal::npu {
+
+namespace reg = abi::reg;
+
+Status Device::open(std::unique_ptr<driver::Link> link, std::unique_ptr<Device>* out, const OpenOptions& opts) {
+  if (!link || out == nullptr) return Status::error(Code::invalid_argument, "Device::open: null link or out");
+  std::unique_ptr<Device> dev(new Device(std::move(link)));
+  HCOMM_TRY(dev->bring_up(opts));
+  *out = std::move(dev);
+  return Status::ok();
+}
+
+Device::~Device() {
+  if (_link) {
+    // Quiesce: disable the engines; mappings and queues must be gone already
+    // (their owners hold references to this device).
+    (void)_link->write32(reg::CONTROL, 0);
+  }
+}
+
+Status Device::bring_up(const OpenOptions& opts) {
+  // §5 step 1: identity. A device that does not speak this ABI is left alone.
+  uint32_t id = 0;
+  HCOMM_TRY(_link->read32(reg::ID, &id));
+  _info.vendor_id = static_cast<uint16_t>(id & 0xffff);
+  _info.device_id = static_cast<uint16_t>(id >> 16);
+  if (_info.vendor_id != abi::kPciVendorId || _info.device_id != abi::kPciDeviceId)
+    return Status::error(Code::unsupported, "%s %s: id %04x:%04x is not an hcomm NPU (want %04x:%04x)",
+                         _link->kind(), _link->location().c_str(), _info.vendor_id, _info.device_id,
+                         abi::kPciVendorId, abi::kPciDeviceId);
+  // §5 step 2: ABI version: same major, minor at least ours.
+  HCOMM_TRY(_link->read32(reg::ABI_VERSION, &_info.abi_version));
+  uint32_t major = _info.abi_version >> 16, minor = _info.abi_version & 0xffff;
+  if (major != abi::kAbiMajor || minor < abi::kAbiMinor)
+    return Status::error(Code::unsupported, "device ABI %u.%u, driver needs %u.>=%u", major, minor, abi::kAbiMajor,
+                         abi::kAbiMinor);
+  // §5 step 3: reset, then wait for READY with a deadline.
+  HCOMM_TRY(_link->write32(reg::CONTROL, abi::ctrl::RESET));
+  Deadline dl = Deadline::after_ms(opts.reset_timeout_ms);
+  for (;;) {
+    uint32_t ctl = 0, st = 0;
+    HCOMM_TRY(_link->read32(reg::CONTROL, &ctl));
+    HCOMM_TRY(_link->read32(reg::STATUS, &st));
+    if ((ctl & abi::ctrl::RESET) == 0 && (st & abi::status::READY) != 0) {
+      if (st & abi::status::FATAL) return Status::error(Code::device_error, "device reports FATAL after reset");
+      break;
+    }
+    if (dl.expired()) return Status::error(Code::timeout, "device not READY %d ms after reset", opts.reset_timeout_ms);
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  // §5 step 4: capabilities and sizes.
+  HCOMM_TRY(_link->read64(reg::CAPS, &_info.caps));
+  HCOMM_TRY(_link->read64(reg::HBM_SIZE, &_info.hbm_size));
+  HCOMM_TRY(_link->read32(reg::NUM_QUEUES, &_info.num_queues));
+  HCOMM_TRY(_link->read32(reg::MAX_QUEUE_LOG2, &_info.max_queue_log2));
+  HCOMM_TRY(_link->read32(reg::NUM_ATT, &_info.num_att));
+  HCOMM_TRY(_link->read32(reg::FABRIC_INDEX, &_info.fabric_index));
+  HCOMM_TRY(_link->read32(reg::FABRIC_SIZE, &_info.fabric_size));
+  HCOMM_TRY(_link->read32(reg::NUM_MSIX, &_info.num_msix));
+  if (_info.num_queues == 0 || _info.num_queues > reg::MAX_QUEUES || _info.num_att == 0 ||
+      _info.max_queue_log2 == 0 || _info.max_queue_log2 > 24)
+    return Status::error(Code::device_error, "implausible identity: %u queues, %u ATT entries, max ring 2^%u",
+                         _info.num_queues, _info.num_att, _info.max_queue_log2);
+  _att_used.assign(_info.num_att, false);
+  _queue_used.assign(_info.num_queues, false);
+  // §5 step 5: memory space + bus master in the PCI command register.
+  uint16_t cmd = 0x0006;
+  HCOMM_TRY(_link->write(7 /* VFIO_PCI_CONFIG_REGION_INDEX */, 0x04, &cmd, sizeof cmd));
+  // §5 step 6: HBM aperture (BAR2), when the link can map it.
+  driver::RegionInfo ri;
+  if (_link->region_info(abi::kBarHbm, &ri).is_ok() && ri.mmapable && ri.size >= _info.hbm_size) {
+    void* p = nullptr;
+    uint64_t sz = 0;
+    if (_link->map_region(abi::kBarHbm, &p, &sz).is_ok()) _hbm = static_cast<uint8_t*>(p);
+  }
+  // §5 step 7: enable.
+  HCOMM_TRY(_link->write32(reg::CONTROL, abi::ctrl::ENABLE));
+  return Status::ok();
+}
+
+uint64_t Device::alloc_iova(uint64_t len) {
+  uint64_t iova = _next_iova;
+  _next_iova += (len + 0xfff) & ~uint64_t{0xfff};
+  _next_iova += 0x1000;  // a guard page between mappings catches off-by-one overruns
+  return iova;
+}
+
+Status Device::att_install(uint64_t iova, uint64_t len, uint64_t target, uint32_t flags, uint32_t* index) {
+  uint32_t idx = UINT32_MAX;
+  for (uint32_t i = 0; i < _att_used.size(); ++i) {
+    if (!_att_used[i]) {
+      idx = i;
+      break;
+    }
+  }
+  if (idx == UINT32_MAX) return Status::error(Code::no_resource, "all %u ATT entries in use", _info.num_att);
+  HCOMM_TRY(_link->write32(reg::ATT_INDEX, idx));
+  HCOMM_TRY(_link->write64(reg::ATT_IOVA, iova));
+  HCOMM_TRY(_link->write64(reg::ATT_LEN, len));
+  HCOMM_TRY(_link->write64(reg::ATT_TARGET, target));
+  HCOMM_TRY(_link->write32(reg::ATT_FLAGS, flags));
+  HCOMM_TRY(_link->write32(reg::ATT_CMD, abi::att_cmd::WRITE));
+  uint32_t st = 0;
+  HCOMM_TRY(_link->read32(reg::ATT_STATUS, &st));
+  if (st != abi::att_status::OK)
+    return Status::error(Code::device_error, "ATT write [%#lx,+%#lx) -> %#lx flags %#x refused: status %u",
+                         static_cast<unsigned long>(iova), static_cast<unsigned long>(len),
+                         static_cast<unsigned long>(target), flags, st);
+  _att_used[idx] = true;
+  *index = idx;
+  return Status::ok();
+}
+
+Status Device::att_clear(uint32_t index) {
+  HCOMM_TRY(_link->write32(reg::ATT_INDEX, index));
+  HCOMM_TRY(_link->write32(reg::ATT_CMD, abi::att_cmd::CLEAR));
+  uint32_t st = 0;
+  HCOMM_TRY(_link->read32(reg::ATT_STATUS, &st));
+  if (st != abi::att_status::OK) return Status::error(Code::device_error, "ATT clear %u refused: %u", index, st);
+  _att_used[index] = false;
+  return Status::ok();
+}
+
+static Status check_rights(uint32_t rights) {
+  if (rights == 0 || (rights & ~access::RW) != 0)
+    return Status::error(Code::invalid_argument, "mapping rights must be a non-empty subset of READ|WRITE");
+  return Status::ok();
+}
+
+Status Device::map_host(void* ptr, uint64_t len, int fd, uint64_t fd_offset, uint32_t rights, Mapping* out) {
+  if (ptr == nullptr || len == 0 || out == nullptr)
+    return Status::error(Code::invalid_argument, "map_host: null pointer or zero length");
+  HCOMM_TRY(check_rights(rights));
+  std::lock_guard lk(_mu);
+  uint64_t bus = 0;
+  uint32_t prot = ((rights & access::READ) ? driver::dma_prot::READ : 0) |
+                  ((rights & access::WRITE) ? driver::dma_prot::WRITE : 0);
+  HCOMM_TRY(_link->dma_map(ptr, len, fd, fd_offset, prot, &bus));
+  Mapping m;
+  m.iova = alloc_iova(len);
+  m.len = len;
+  m.bus_addr = bus;
+  m.host = true;
+  Status st = att_install(m.iova, len, bus, rights | abi::att::KIND_HOST, &m.att_index);
+  if (!st) {
+    (void)_link->dma_unmap(bus, len);
+    return st;
+  }
+  *out = m;
+  return Status::ok();
+}
+
+Status Device::map_hbm(uint64_t offset, uint64_t len, uint32_t rights, Mapping* out) {
+  if (len == 0 || out == nullptr || offset > _info.hbm_size || len > _info.hbm_size - offset)
+    return Status::error(Code::out_of_range, "map_hbm [%#lx,+%#lx) outside %lu bytes of HBM",
+                         static_cast<unsigned long>(offset), static_cast<unsigned long>(len),
+                         static_cast<unsigned long>(_info.hbm_size));
+  HCOMM_TRY(check_rights(rights));
+  std::lock_guard lk(_mu);
+  Mapping m;
+  m.iova = alloc_iova(len);
+  m.len = len;
+  HCOMM_TRY(att_install(m.iova, len, offset, rights | abi::att::KIND_HBM, &m.att_index));
+  *out = m;
+  return Status::ok();
+}
+
+Status Device::map_peer_hbm(uint32_t peer, uint64_t offset, uint64_t len, uint32_t rights, Mapping* out) {
+  if ((_info.caps & abi::cap::PEER_DMA) == 0) return Status::error(Code::unsupported, "device lacks PEER_DMA");
+  if (peer >= _info.fabric_size || peer > 0xff || len == 0 || out == nullptr)
+    return Status::error(Code::invalid_argument, "peer %u not on this device's fabric (size %u)", peer,
+                         _info.fabric_size);
+  HCOMM_TRY(check_rights(rights));
+  std::lock_guard lk(_mu);
+  Mapping m;
+  m.iova = alloc_iova(len);
+  m.len = len;
+  HCOMM_TRY(att_install(m.iova, len, offset, rights | abi::att::KIND_PEER_HBM | (peer << abi::att::PEER_SHIFT),
+                        &m.att_index));
+  *out = m;
+  return Status::ok();
+}
+
+Status Device::unmap(Mapping* m) {
+  if (m == nullptr || !m->valid()) return Status::error(Code::invalid_argument, "unmap: not a valid mapping");
+  std::lock_guard lk(_mu);
+  if (m->att_index >= _att_used.size() || !_att_used[m->att_index])
+    return Status::error(Code::not_found, "unmap: ATT entry %u not in use", m->att_index);
+  // Clear the ATT entry first (the device stops using it), then the DMA map.
+  HCOMM_TRY(att_clear(m->att_index));
+  if (m->host) HCOMM_TRY(_link->dma_unmap(m->bus_addr, m->len));
+  *m = Mapping{};
+  return Status::ok();
+}
+
+Status Device::create_queue(uint32_t log2, bool interrupts, std::unique_ptr<DmaQueue>* out) {
+  if (log2 == 0 || log2 > _info.max_queue_log2)
+    return Status::error(Code::invalid_argument, "queue size 2^%u outside 2^1..2^%u", log2, _info.max_queue_log2);
+  uint32_t qid = UINT32_MAX;
+  {
+    std::lock_guard lk(_mu);
+    for (uint32_t i = 0; i < _queue_used.size(); ++i) {
+      if (!_queue_used[i]) {
+        qid = i;
+        _queue_used[i] = true;
+        break;
+      }
+    }
+  }
+  if (qid == UINT32_MAX) return Status::error(Code::no_resource, "all %u DMA queues in use", _info.num_queues);
+  std::unique_ptr<DmaQueue> q(new DmaQueue(*this, qid));
+  Status st = q->init(log2, interrupts);
+  if (!st) return st;  // ~DmaQueue releases the slot
+  *out = std::move(q);
+  return Status::ok();
+}
+
+void Device::release_queue(uint32_t q) {
+  std::lock_guard lk(_mu);
+  if (q < _queue_used.size()) _queue_used[q] = false;
+}
+
+Status Device::error_log(ErrorLog* out) {
+  HCOMM_TRY(_link->read64(reg::ERR_COUNT, &out->count));
+  HCOMM_TRY(_link->read32(reg::ERR_LOG_CODE, &out->last_code));
+  HCOMM_TRY(_link->read32(reg::ERR_LOG_QUEUE, &out->last_queue));
+  HCOMM_TRY(_link->read32(reg::ERR_LOG_INDEX, &out->last_index));
+  HCOMM_TRY(_link->read64(reg::ERR_LOG_ADDR, &out->last_addr));
+  HCOMM_TRY(_link->read64(reg::COMPLETED, &out->completed));
+  return Status::ok();
+}
+
+Status Device::clear_errors() { return _link->write32(reg::ERR_CLEAR, 1); }
+
+}  // namespace hcomm::hal::npu
