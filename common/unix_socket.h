@@ -1,0 +1,167 @@
+// Deadline-bounded message I/O on a non-blocking AF_UNIX stream socket, with
+// SCM_RIGHTS file descriptors. Shared by the vfio-user client (driver/) and
+// server (sim/), which sit on opposite sides of the layering and both may
+// include common/ only. Header-only: a few small loops around poll/recvmsg/
+// sendmsg.
+//
+// Ownership: every fd received is wrapped in a UniqueFd the moment recvmsg
+// returns it, so a caller that bails out early can never leak one. Fds sent
+// are borrowed (the kernel duplicates them into the peer).
+#pragma once
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <vector>
+
+#include "common/fd.h"
+#include "common/time.h"
+
+namespace hcomm::unix_socket {
+
+enum class Io {
+  ok,
+  eof,      // the peer closed the connection (orderly or reset)
+  timeout,  // the deadline passed
+  aborted,  // abort_fd became readable (owner is shutting down)
+  error,    // a system call failed; see *err
+};
+
+inline const char* io_name(Io io) {
+  switch (io) {
+    case Io::ok: return "ok";
+    case Io::eof: return "peer closed the connection";
+    case Io::timeout: return "timed out";
+    case Io::aborted: return "aborted";
+    case Io::error: return "socket error";
+  }
+  return "?";
+}
+
+// Wait until `fd` is ready for `events` or the deadline / abort_fd fires.
+// abort_fd < 0: none.
+inline Io wait_fd(int fd, short events, const Deadline& dl, int abort_fd, int* err) {
+  for (;;) {
+    pollfd p[2] = {{fd, events, 0}, {abort_fd, POLLIN, 0}};
+    int n = ::poll(p, abort_fd >= 0 ? 2 : 1, dl.remaining_ms());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      *err = errno;
+      return Io::error;
+    }
+    if (abort_fd >= 0 && (p[1].revents & POLLIN)) return Io::aborted;
+    if (n == 0) {
+      if (dl.expired()) return Io::timeout;
+      continue;  // poll rounds to ms; re-check
+    }
+    // POLLHUP/POLLERR: let the following recv/send report what happened.
+    if (p[0].revents != 0) return Io::ok;
+  }
+}
+
+// Receive exactly `len` bytes (len may be 0: returns ok at once). Fds that
+// arrive with any part are appended to *fds; *ctrunc is set when the kernel
+// had to drop fds because more came than `max_fds` (those are closed by the
+// kernel). *got counts bytes received so far, also on failure, so a caller can
+// tell "closed between messages" (got == 0) from "closed mid-message".
+inline Io recv_exact(int fd, void* buf, size_t len, const Deadline& dl, int abort_fd,
+                     size_t max_fds, std::vector<UniqueFd>* fds, bool* ctrunc, size_t* got,
+                     int* err) {
+  *got = 0;
+  auto* p = static_cast<uint8_t*>(buf);
+  // Room for max_fds descriptors; at least one so that a peer sending an fd we
+  // did not ask for is seen (and the fd closed) rather than silently dropped.
+  std::vector<uint8_t> cbuf(CMSG_SPACE(sizeof(int) * (max_fds > 0 ? max_fds : 1)));
+  while (*got < len) {
+    iovec iov{p + *got, len - *got};
+    msghdr mh{};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cbuf.data();
+    mh.msg_controllen = cbuf.size();
+    ssize_t n = ::recvmsg(fd, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        Io w = wait_fd(fd, POLLIN, dl, abort_fd, err);
+        if (w != Io::ok) return w;
+        continue;
+      }
+      if (errno == ECONNRESET) return Io::eof;
+      *err = errno;
+      return Io::error;
+    }
+    for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+      size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int rfd;
+        std::memcpy(&rfd, CMSG_DATA(c) + i * sizeof(int), sizeof rfd);
+        if (fds != nullptr) {
+          fds->emplace_back(rfd);
+        } else {
+          UniqueFd drop(rfd);
+        }
+      }
+    }
+    if ((mh.msg_flags & MSG_CTRUNC) && ctrunc != nullptr) *ctrunc = true;
+    if (n == 0) return Io::eof;
+    *got += static_cast<size_t>(n);
+  }
+  return Io::ok;
+}
+
+// Send `a` then `b` as one message (`a` non-empty, `b` may be empty);
+// `send_fds` ride on the first byte. Never raises SIGPIPE.
+inline Io send_all(int fd, std::span<const uint8_t> a, std::span<const uint8_t> b,
+                   std::span<const int> send_fds, const Deadline& dl, int abort_fd, int* err) {
+  size_t total = a.size() + b.size();
+  size_t sent = 0;
+  std::vector<uint8_t> cbuf;
+  while (sent < total) {
+    iovec iov[2];
+    int niov = 0;
+    if (sent < a.size()) {
+      iov[niov++] = {const_cast<uint8_t*>(a.data()) + sent, a.size() - sent};
+      if (!b.empty()) iov[niov++] = {const_cast<uint8_t*>(b.data()), b.size()};
+    } else {
+      size_t off = sent - a.size();
+      iov[niov++] = {const_cast<uint8_t*>(b.data()) + off, b.size() - off};
+    }
+    msghdr mh{};
+    mh.msg_iov = iov;
+    mh.msg_iovlen = static_cast<size_t>(niov);
+    if (sent == 0 && !send_fds.empty()) {
+      cbuf.assign(CMSG_SPACE(sizeof(int) * send_fds.size()), 0);
+      mh.msg_control = cbuf.data();
+      mh.msg_controllen = cbuf.size();
+      cmsghdr* c = CMSG_FIRSTHDR(&mh);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int) * send_fds.size());
+      std::memcpy(CMSG_DATA(c), send_fds.data(), sizeof(int) * send_fds.size());
+    }
+    ssize_t n = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        Io w = wait_fd(fd, POLLOUT, dl, abort_fd, err);
+        if (w != Io::ok) return w;
+        continue;
+      }
+      if (errno == EPIPE || errno == ECONNRESET) return Io::eof;
+      *err = errno;
+      return Io::error;
+    }
+    sent += static_cast<size_t>(n);
+  }
+  return Io::ok;
+}
+
+}  // namespace hcomm::unix_socket
