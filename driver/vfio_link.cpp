@@ -17,6 +17,14 @@ namespace hcomm::driver {
 
 namespace {
 
+// errno is read before the message is built: building it allocates, and
+// the allocator may change errno.
+#define ERRNO_STATUS(what)                         \
+  [&]() -> Status {                                \
+    const int err_ = errno;                        \
+    return Status::from_errno(err_, (what));       \
+  }()
+
 constexpr uint64_t kPage = 4096;  // IOVA granule; VFIO_IOMMU_GET_INFO must allow it
 
 class RealVfioSys final : public VfioSys {
@@ -36,15 +44,19 @@ class RealVfioSys final : public VfioSys {
 
 void* int_arg(uintptr_t v) { return reinterpret_cast<void*>(v); }
 
-// Adds the usual cause of an errno from opening a VFIO node to the message.
-std::string open_hint(int err) {
+// "<what>: <strerror>" plus the usual cause of that errno when opening a
+// VFIO node.
+Status open_error(int err, const std::string& what) {
+  Status st = Status::from_errno(err, what);
+  const char* hint = "";
   switch (err) {
-    case ENOENT: return " (vfio / vfio-pci modules loaded? device bound to vfio-pci?)";
+    case ENOENT: hint = " (vfio / vfio-pci modules loaded? device bound to vfio-pci?)"; break;
     case EACCES:
-    case EPERM: return " (no permission: run as root or chown the node to this user)";
-    case EBUSY: return " (already opened by another process or container)";
-    default: return "";
+    case EPERM: hint = " (no permission: run as root or chown the node to this user)"; break;
+    case EBUSY: hint = " (already opened by another process or container)"; break;
+    default: break;
   }
+  return Status(st.code(), st.message() + hint);
 }
 
 const char* region_name(uint32_t r) {
@@ -126,8 +138,8 @@ Status VfioLink::bring_up(int group) {
   const std::string cpath = _opts.vfio_dir + "/vfio";
   _container = _sys->open(cpath.c_str(), O_RDWR | O_CLOEXEC);
   if (_container < 0) {
-    int err = errno;
-    return Status::from_errno(err, "vfio " + _addr + ": open " + cpath + open_hint(err));
+    const int err = errno;
+    return open_error(err, "vfio " + _addr + ": open " + cpath);
   }
 
   // Step 2: "Unknown API version" check.
@@ -142,18 +154,19 @@ Status VfioLink::bring_up(int group) {
   // container what it supports, so doing it after is equivalent.)
   std::string gpath = _opts.vfio_dir + "/" + std::to_string(group);
   _group = _sys->open(gpath.c_str(), O_RDWR | O_CLOEXEC);
-  if (_group < 0 && errno == ENOENT) {
+  int group_err = _group < 0 ? errno : 0;
+  if (group_err == ENOENT) {
     std::string npath = _opts.vfio_dir + "/noiommu-" + std::to_string(group);
     _group = _sys->open(npath.c_str(), O_RDWR | O_CLOEXEC);
+    const int noiommu_err = _group < 0 ? errno : 0;
     // Both missing: report the normal path; otherwise the one that answered.
-    if (_group >= 0 || errno != ENOENT) gpath = std::move(npath);
-    _noiommu = _group >= 0;
-    if (_group < 0 && errno == ENOENT) gpath = _opts.vfio_dir + "/" + std::to_string(group);
+    if (noiommu_err != ENOENT) {
+      gpath = std::move(npath);
+      group_err = noiommu_err;
+      _noiommu = _group >= 0;
+    }
   }
-  if (_group < 0) {
-    int err = errno;
-    return Status::from_errno(err, "vfio " + _addr + ": open group " + gpath + open_hint(err));
-  }
+  if (_group < 0) return open_error(group_err, "vfio " + _addr + ": open group " + gpath);
   if (_noiommu && !_opts.iova_mode_pa)
     return Status::error(Code::unsupported,
                          "vfio %s: group %d is no-IOMMU (the device sees physical addresses); "
@@ -178,7 +191,7 @@ Status VfioLink::bring_up(int group) {
   vfio_group_status gs{};
   gs.argsz = sizeof gs;
   if (_sys->ioctl(_group, VFIO_GROUP_GET_STATUS, &gs) != 0)
-    return Status::from_errno(errno, "vfio " + _addr + ": VFIO_GROUP_GET_STATUS");
+    return ERRNO_STATUS("vfio " + _addr + ": VFIO_GROUP_GET_STATUS");
   if ((gs.flags & VFIO_GROUP_FLAGS_VIABLE) == 0)
     return Status::error(Code::unsupported,
                          "vfio %s: IOMMU group %d is not viable: every device in the group must be bound to "
@@ -188,11 +201,11 @@ Status VfioLink::bring_up(int group) {
   // Step 6: add the group to the container.
   int cfd = _container;
   if (_sys->ioctl(_group, VFIO_GROUP_SET_CONTAINER, &cfd) != 0)
-    return Status::from_errno(errno, "vfio " + _addr + ": VFIO_GROUP_SET_CONTAINER");
+    return ERRNO_STATUS("vfio " + _addr + ": VFIO_GROUP_SET_CONTAINER");
 
   // Step 7: enable the IOMMU model (valid only once a group is attached).
   if (_sys->ioctl(_container, VFIO_SET_IOMMU, int_arg(static_cast<uintptr_t>(_iommu_type))) != 0)
-    return Status::from_errno(errno, "vfio " + _addr + ": VFIO_SET_IOMMU(" + std::to_string(_iommu_type) + ")");
+    return ERRNO_STATUS("vfio " + _addr + ": VFIO_SET_IOMMU(" + std::to_string(_iommu_type) + ")");
 
   // Step 8: IOMMU info — the page sizes it can map; our allocator's granule
   // (4 KiB) must be one of them or the smallest.
@@ -200,7 +213,7 @@ Status VfioLink::bring_up(int group) {
     vfio_iommu_type1_info ii{};
     ii.argsz = sizeof ii;
     if (_sys->ioctl(_container, VFIO_IOMMU_GET_INFO, &ii) != 0)
-      return Status::from_errno(errno, "vfio " + _addr + ": VFIO_IOMMU_GET_INFO");
+      return ERRNO_STATUS("vfio " + _addr + ": VFIO_IOMMU_GET_INFO");
     if ((ii.flags & VFIO_IOMMU_INFO_PGSIZES) != 0 && ii.iova_pgsizes != 0) {
       uint64_t smallest = ii.iova_pgsizes & (~ii.iova_pgsizes + 1);
       if (smallest > kPage)
@@ -212,7 +225,7 @@ Status VfioLink::bring_up(int group) {
   // Step 9: the device fd, by its name in the group.
   _device = _sys->ioctl(_group, VFIO_GROUP_GET_DEVICE_FD, const_cast<char*>(_addr.c_str()));
   if (_device < 0)
-    return Status::from_errno(errno, "vfio " + _addr + ": VFIO_GROUP_GET_DEVICE_FD (device not in group " +
+    return ERRNO_STATUS("vfio " + _addr + ": VFIO_GROUP_GET_DEVICE_FD (device not in group " +
                                          std::to_string(group) + "?)");
 
   // Step 10: regions and interrupts.
@@ -237,7 +250,7 @@ Status VfioLink::query_regions() {
   vfio_device_info di{};
   di.argsz = sizeof di;
   if (_sys->ioctl(_device, VFIO_DEVICE_GET_INFO, &di) != 0)
-    return Status::from_errno(errno, "vfio " + _addr + ": VFIO_DEVICE_GET_INFO");
+    return ERRNO_STATUS("vfio " + _addr + ": VFIO_DEVICE_GET_INFO");
   if ((di.flags & VFIO_DEVICE_FLAGS_PCI) == 0)
     return Status::error(Code::unsupported, "vfio %s: not a vfio-pci device (flags 0x%x)", _addr.c_str(), di.flags);
   _device_flags = di.flags;
@@ -250,7 +263,7 @@ Status VfioLink::query_regions() {
     if (_sys->ioctl(_device, VFIO_DEVICE_GET_REGION_INFO, &ri) != 0) {
       // vfio-pci answers EINVAL for the VGA region of a non-VGA device.
       if (i == VFIO_PCI_VGA_REGION_INDEX) continue;
-      return Status::from_errno(errno, "vfio " + _addr + ": VFIO_DEVICE_GET_REGION_INFO(" + region_name(i) + ")");
+      return ERRNO_STATUS("vfio " + _addr + ": VFIO_DEVICE_GET_REGION_INFO(" + region_name(i) + ")");
     }
     Region& r = _regions[i];
     r.present = ri.size != 0;
@@ -266,7 +279,7 @@ Status VfioLink::query_regions() {
     ii.argsz = sizeof ii;
     ii.index = VFIO_PCI_MSIX_IRQ_INDEX;
     if (_sys->ioctl(_device, VFIO_DEVICE_GET_IRQ_INFO, &ii) != 0)
-      return Status::from_errno(errno, "vfio " + _addr + ": VFIO_DEVICE_GET_IRQ_INFO(MSI-X)");
+      return ERRNO_STATUS("vfio " + _addr + ": VFIO_DEVICE_GET_IRQ_INFO(MSI-X)");
     if ((ii.flags & VFIO_IRQ_INFO_EVENTFD) != 0) _msix_count = ii.count;
   }
   _msix_fds.assign(_msix_count, -1);
@@ -316,7 +329,7 @@ Status VfioLink::map_region(uint32_t region, void** out, uint64_t* size) {
                ((r->flags & VFIO_REGION_INFO_FLAG_WRITE) != 0 ? PROT_WRITE : 0);
     void* p = _sys->mmap(nullptr, r->size, prot, MAP_SHARED, _device, static_cast<off_t>(r->offset));
     if (p == MAP_FAILED)
-      return Status::from_errno(errno, "vfio " + _addr + ": mmap " + region_name(region) + " (" +
+      return ERRNO_STATUS("vfio " + _addr + ": mmap " + region_name(region) + " (" +
                                            std::to_string(r->size) + " bytes)");
     _maps[region] = p;
   }
@@ -349,7 +362,7 @@ Status VfioLink::read(uint32_t region, uint64_t offset, void* data, size_t len) 
     }
   }
   ssize_t n = _sys->pread(_device, data, len, static_cast<off_t>(r->offset + offset));
-  if (n < 0) return Status::from_errno(errno, "vfio " + _addr + ": read " + region_name(region));
+  if (n < 0) return ERRNO_STATUS("vfio " + _addr + ": read " + region_name(region));
   if (static_cast<size_t>(n) != len)
     return Status::error(Code::io_error, "vfio %s: short read of %s: %zd of %zu bytes", _addr.c_str(),
                          region_name(region), n, len);
@@ -380,7 +393,7 @@ Status VfioLink::write(uint32_t region, uint64_t offset, const void* data, size_
     }
   }
   ssize_t n = _sys->pwrite(_device, data, len, static_cast<off_t>(r->offset + offset));
-  if (n < 0) return Status::from_errno(errno, "vfio " + _addr + ": write " + region_name(region));
+  if (n < 0) return ERRNO_STATUS("vfio " + _addr + ": write " + region_name(region));
   if (static_cast<size_t>(n) != len)
     return Status::error(Code::io_error, "vfio %s: short write of %s: %zd of %zu bytes", _addr.c_str(),
                          region_name(region), n, len);
@@ -417,7 +430,7 @@ Status VfioLink::issue_msix(uint32_t first, uint32_t count, const int* fds) {
   set->count = count;
   if (count != 0) std::memcpy(set->data, fds, size_t{count} * sizeof(int32_t));
   if (_sys->ioctl(_device, VFIO_DEVICE_SET_IRQS, set) != 0)
-    return Status::from_errno(errno, "vfio " + _addr + ": VFIO_DEVICE_SET_IRQS(MSI-X " + std::to_string(first) +
+    return ERRNO_STATUS("vfio " + _addr + ": VFIO_DEVICE_SET_IRQS(MSI-X " + std::to_string(first) +
                                          "+" + std::to_string(count) + ")");
   return Status::ok();
 }
@@ -456,7 +469,7 @@ Status VfioLink::physical_address(const void* vaddr, uint64_t len, uint64_t* pa)
   // /proc/self/pagemap: one u64 per 4 KiB virtual page; bit 63 = present,
   // bits 0-54 = PFN (reads as 0 without CAP_SYS_ADMIN).
   const int fd = _sys->open(_opts.pagemap_path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::from_errno(errno, "vfio " + _addr + ": iova-mode=pa: open " + _opts.pagemap_path);
+  if (fd < 0) return ERRNO_STATUS("vfio " + _addr + ": iova-mode=pa: open " + _opts.pagemap_path);
   const uint64_t first_page = reinterpret_cast<uintptr_t>(vaddr) / kPage;
   const uint64_t pages = len / kPage;
   uint64_t entries[512];
@@ -466,7 +479,7 @@ Status VfioLink::physical_address(const void* vaddr, uint64_t len, uint64_t* pa)
     const uint64_t chunk = pages - done < 512 ? pages - done : 512;
     ssize_t n = _sys->pread(fd, entries, chunk * 8, static_cast<off_t>((first_page + done) * 8));
     if (n < 0) {
-      st = Status::from_errno(errno, "vfio " + _addr + ": iova-mode=pa: read " + _opts.pagemap_path);
+      st = ERRNO_STATUS("vfio " + _addr + ": iova-mode=pa: read " + _opts.pagemap_path);
       break;
     }
     if (static_cast<uint64_t>(n) != chunk * 8) {
@@ -610,7 +623,7 @@ Status VfioLink::dma_unmap(uint64_t bus_addr, uint64_t len) {
     um.iova = m.iova;
     um.size = m.len;
     if (_sys->ioctl(_container, VFIO_IOMMU_UNMAP_DMA, &um) != 0)
-      return Status::from_errno(errno, "vfio " + _addr + ": VFIO_IOMMU_UNMAP_DMA");
+      return ERRNO_STATUS("vfio " + _addr + ": VFIO_IOMMU_UNMAP_DMA");
     // The kernel reports how much it unmapped; less means the mapping table
     // and ours disagree, and the pages may stay pinned.
     if (um.size != m.len)
@@ -627,7 +640,7 @@ Status VfioLink::reset() {
   if ((_device_flags & VFIO_DEVICE_FLAGS_RESET) == 0)
     return Status::error(Code::unsupported, "vfio %s: device does not support VFIO_DEVICE_RESET", _addr.c_str());
   if (_sys->ioctl(_device, VFIO_DEVICE_RESET, nullptr) != 0)
-    return Status::from_errno(errno, "vfio " + _addr + ": VFIO_DEVICE_RESET");
+    return ERRNO_STATUS("vfio " + _addr + ": VFIO_DEVICE_RESET");
   return Status::ok();
 }
 
