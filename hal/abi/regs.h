@@ -59,14 +59,14 @@ inline constexpr uint32_t NUM_MSIX = 0x02c;       // u32, MSI-X vectors (>= NUM_
 // Control / status
 inline constexpr uint32_t CONTROL = 0x040;        // RW, ctrl:: bits
 inline constexpr uint32_t STATUS = 0x044;         // RO, status:: bits
-inline constexpr uint32_t ERR_COUNT = 0x048;      // RO, error completions since reset
-inline constexpr uint32_t ERR_LOG_CODE = 0x04c;   // RO, CqStatus of the last error (0 = none)
-inline constexpr uint32_t ERR_LOG_QUEUE = 0x050;  // RO, queue of the last error
-inline constexpr uint32_t ERR_LOG_INDEX = 0x054;  // RO, SQ index of the last error
-inline constexpr uint32_t ERR_LOG_ADDR = 0x058;   // RO u64, faulting IOVA (0 if n/a)
-inline constexpr uint32_t ERR_CLEAR = 0x060;      // W1C: write 1 clears ERR_LOG_* (not ERR_COUNT)
-inline constexpr uint32_t SCRATCH = 0x064;        // RW, no side effect (self-test)
-inline constexpr uint32_t COMPLETED = 0x068;      // RO u64, descriptors completed since reset
+inline constexpr uint32_t ERR_COUNT = 0x048;      // RO u64, error completions since reset
+inline constexpr uint32_t ERR_LOG_CODE = 0x050;   // RO, CqStatus of the last error (0 = none)
+inline constexpr uint32_t ERR_LOG_QUEUE = 0x054;  // RO, queue of the last error
+inline constexpr uint32_t ERR_LOG_INDEX = 0x058;  // RO, SQ index of the last error
+inline constexpr uint32_t ERR_CLEAR = 0x05c;      // W1C: write 1 clears ERR_LOG_* (not ERR_COUNT)
+inline constexpr uint32_t ERR_LOG_ADDR = 0x060;   // RO u64, faulting IOVA (0 if n/a)
+inline constexpr uint32_t SCRATCH = 0x068;        // RW, no side effect (self-test)
+inline constexpr uint32_t COMPLETED = 0x070;      // RO u64, descriptors completed since reset
 
 // Address translation table (ATT) programming window, §6.
 inline constexpr uint32_t ATT_INDEX = 0x100;      // RW u32, entry to program
@@ -98,6 +98,37 @@ inline constexpr uint32_t doorbell(uint32_t q) {
   return static_cast<uint32_t>(kDoorbellPageOffset) + q * DOORBELL_STRIDE;
 }
 }  // namespace reg
+
+// Register map self-check: no two registers overlap, 64-bit ones are 8-byte
+// aligned, and the control page stays below the doorbell page.
+namespace detail {
+struct RegSpan {
+  uint32_t off, width;
+};
+inline constexpr RegSpan kRegMap[] = {
+    {reg::ID, 4}, {reg::ABI_VERSION, 4}, {reg::CAPS, 8}, {reg::HBM_SIZE, 8}, {reg::NUM_QUEUES, 4},
+    {reg::MAX_QUEUE_LOG2, 4}, {reg::NUM_ATT, 4}, {reg::FABRIC_INDEX, 4}, {reg::FABRIC_SIZE, 4},
+    {reg::NUM_MSIX, 4}, {reg::CONTROL, 4}, {reg::STATUS, 4}, {reg::ERR_COUNT, 8}, {reg::ERR_LOG_CODE, 4},
+    {reg::ERR_LOG_QUEUE, 4}, {reg::ERR_LOG_INDEX, 4}, {reg::ERR_CLEAR, 4}, {reg::ERR_LOG_ADDR, 8},
+    {reg::SCRATCH, 4}, {reg::COMPLETED, 8}, {reg::ATT_INDEX, 4}, {reg::ATT_CMD, 4}, {reg::ATT_IOVA, 8},
+    {reg::ATT_LEN, 8}, {reg::ATT_TARGET, 8}, {reg::ATT_FLAGS, 4}, {reg::ATT_STATUS, 4},
+    {reg::QUEUE_BASE + reg::Q_SQ_BASE, 8}, {reg::QUEUE_BASE + reg::Q_CQ_BASE, 8},
+    {reg::QUEUE_BASE + reg::Q_SHADOW, 8}, {reg::QUEUE_BASE + reg::Q_SIZE_LOG2, 4},
+    {reg::QUEUE_BASE + reg::Q_MSIX, 4}, {reg::QUEUE_BASE + reg::Q_CTRL, 4},
+    {reg::QUEUE_BASE + reg::Q_STATUS, 4}, {reg::QUEUE_BASE + reg::Q_COMPLETED, 8},
+};
+constexpr bool reg_map_ok() {
+  for (const RegSpan& a : kRegMap) {
+    if (a.off % a.width != 0 || a.off + a.width > kControlPageSize) return false;
+    for (const RegSpan& b : kRegMap)
+      if (&a != &b && a.off < b.off + b.width && b.off < a.off + a.width) return false;
+  }
+  return reg::Q_COMPLETED + 8 <= reg::QUEUE_STRIDE &&
+         reg::QUEUE_BASE + reg::MAX_QUEUES * reg::QUEUE_STRIDE <= kControlPageSize &&
+         reg::doorbell(reg::MAX_QUEUES - 1) + 4 <= kBar0Size;
+}
+static_assert(reg_map_ok(), "BAR0 register map overlaps or is misaligned");
+}  // namespace detail
 
 inline constexpr uint32_t kNoVector = 0xffffffffu;
 

@@ -1,0 +1,121 @@
+// SimProcess: starts hcomm-sim as a separate process on a private directory
+// for one test (suite), and stops it. Every wait is bounded.
+#pragma once
+
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace hcomm::test {
+
+inline std::string sim_binary() {
+  const char* p = std::getenv("HCOMM_SIM_BIN");
+  return p != nullptr ? p : "hcomm-sim";
+}
+
+class SimProcess {
+ public:
+  SimProcess() = default;
+  SimProcess(const SimProcess&) = delete;
+  SimProcess& operator=(const SimProcess&) = delete;
+  ~SimProcess() { stop(); }
+
+  // Returns "" on success, else why it failed.
+  std::string start(std::vector<std::string> extra = {}) {
+    char tmpl[] = "/tmp/hcomm-test-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) return "mkdtemp failed";
+    _dir = tmpl;
+    std::vector<std::string> args = {sim_binary(), "--dir", _dir};
+    if (extra.empty()) extra = {"--devices", "2", "--hbm", "64M"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    _pid = ::fork();
+    if (_pid < 0) return "fork failed";
+    if (_pid == 0) {
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execvp(argv[0], argv.data());
+      std::fprintf(stderr, "exec %s: %s\n", argv[0], std::strerror(errno));
+      ::_exit(127);
+    }
+    auto until = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+    while (std::chrono::steady_clock::now() < until) {
+      if (std::filesystem::exists(_dir + "/ready")) return "";
+      int st;
+      if (::waitpid(_pid, &st, WNOHANG) == _pid) {
+        _pid = -1;
+        return "hcomm-sim exited during start-up (status " + std::to_string(st) + ")";
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return "hcomm-sim not ready after 15 s";
+  }
+
+  void stop() {
+    if (_pid > 0) {
+      ::kill(_pid, SIGTERM);
+      int st;
+      auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      while (::waitpid(_pid, &st, WNOHANG) == 0) {
+        if (std::chrono::steady_clock::now() > until) {
+          ::kill(_pid, SIGKILL);
+          ::waitpid(_pid, &st, 0);
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      _pid = -1;
+    }
+    if (!_dir.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(_dir, ec);
+      _dir.clear();
+    }
+  }
+
+  bool alive() const { return _pid > 0 && ::kill(_pid, 0) == 0; }
+  const std::string& dir() const { return _dir; }
+  std::string socket(unsigned i) const { return _dir + "/npu" + std::to_string(i) + ".sock"; }
+
+  // One control-socket command ("fail 0 3"); returns the reply line.
+  std::string control(const std::string& cmd) const {
+    int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return "error: socket";
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    std::string p = _dir + "/control.sock";
+    std::memcpy(a.sun_path, p.c_str(), p.size() + 1);
+    std::string reply;
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
+      std::string line = cmd + "\n";
+      if (::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size())) {
+        timeval tv{5, 0};
+        ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        char c;
+        while (::read(fd, &c, 1) == 1 && c != '\n') reply += c;
+      }
+    } else {
+      reply = "error: connect";
+    }
+    ::close(fd);
+    return reply;
+  }
+
+ private:
+  pid_t _pid = -1;
+  std::string _dir;
+};
+
+}  // namespace hcomm::test
