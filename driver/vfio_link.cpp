@@ -90,9 +90,19 @@ VfioLink::VfioLink(VfioSys* sys, std::string addr, const VfioOptions& opts)
 }
 
 VfioLink::~VfioLink() {
-  // Reverse of bring-up. DMA unmaps first: the IOMMU mappings pin pages the
-  // caller is about to free. Errors are ignored — nothing useful can be done
-  // with them here, and closing the container drops all mappings anyway.
+  // Reverse of bring-up. Errors are ignored: nothing useful can be done with
+  // them here, and closing the fds releases everything anyway.
+  // 1. Stop the device mastering the bus, so no DMA is in flight when
+  // 2. the IOMMU mappings go (the caller frees those pages next; a straggler
+  //    after the unmap faults in the IOMMU instead of landing in reused memory).
+  if (_device >= 0 && _regions[VFIO_PCI_CONFIG_REGION_INDEX].present) {
+    uint16_t cmd = 0;
+    const off_t at = static_cast<off_t>(_regions[VFIO_PCI_CONFIG_REGION_INDEX].offset + PCI_COMMAND);
+    if (_sys->pread(_device, &cmd, sizeof cmd, at) == sizeof cmd && (cmd & PCI_COMMAND_MASTER) != 0) {
+      cmd = static_cast<uint16_t>(cmd & ~PCI_COMMAND_MASTER);
+      _sys->pwrite(_device, &cmd, sizeof cmd, at);
+    }
+  }
   for (const auto& [bus, m] : _mappings) {
     if (!m.via_iommu) continue;
     vfio_iommu_type1_dma_unmap um{};

@@ -8,9 +8,10 @@
 // whole sequence against a fake kernel.
 //
 // Ownership: the link owns the container, group and device fds, the BAR
-// mappings and the IOVA space. Teardown order (destructor): DMA unmaps,
-// BAR munmaps, device fd, group fd, container fd — the reverse of bring-up,
-// so the IOMMU is never detached while the device can still DMA.
+// mappings and the IOVA space. Teardown order (destructor): clear bus
+// mastering, DMA unmaps, BAR munmaps, device fd, group fd, container fd —
+// the reverse of bring-up, so the device has stopped DMA before its
+// mappings (and then the memory behind them) go away.
 //
 // Threading: cold-path object; callers serialise calls. The doorbell
 // pointers it hands out are safe to use from any thread while the link lives.

@@ -328,8 +328,11 @@ TEST_F(VfioLinkTest, BringUpFollowsVfioRstOrder) {
 
   kernel.calls.clear();
   link.reset();
-  const std::vector<std::string> teardown = {"munmap bar0 8192", "close 12", "close 11", "close 10"};
+  const std::vector<std::string> teardown = {"pread 12 0x70000000004 2", "pwrite 12 0x70000000004 2",
+                                             "munmap bar0 8192", "close 12", "close 11", "close 10"};
   EXPECT_EQ(kernel.calls, teardown);
+  EXPECT_EQ(kernel.command() & PCI_COMMAND_MASTER, 0);  // bus mastering off before anything is unmapped
+  EXPECT_NE(kernel.command() & PCI_COMMAND_MEMORY, 0);
   EXPECT_TRUE(kernel.open_fds.empty());
 }
 
@@ -447,10 +450,13 @@ TEST_F(VfioLinkTest, Bar0TrappedWhenNotMmapable) {
   EXPECT_FALSE(link->bar0_mmapped());
   EXPECT_EQ(kernel.count("mmap"), 0u);
   ASSERT_TRUE(link->write32(abi::reg::SCRATCH, 0x5a5a5a5a).is_ok());
-  EXPECT_EQ(kernel.calls.back(), "pwrite 12 0x64 4");
+  char want[64];
+  std::snprintf(want, sizeof want, "pwrite 12 0x%x 4", abi::reg::SCRATCH);  // BAR0 region offset is 0
+  EXPECT_EQ(kernel.calls.back(), want);
   uint32_t v = 0;
   ASSERT_TRUE(link->read32(abi::reg::SCRATCH, &v).is_ok());
-  EXPECT_EQ(kernel.calls.back(), "pread 12 0x64 4");
+  std::snprintf(want, sizeof want, "pread 12 0x%x 4", abi::reg::SCRATCH);
+  EXPECT_EQ(kernel.calls.back(), want);
   EXPECT_EQ(v, 0x5a5a5a5au);
   Doorbell db;
   EXPECT_EQ(link->doorbell(abi::reg::doorbell(0), &db).code(), Code::unsupported);
@@ -541,9 +547,14 @@ TEST_F(VfioLinkTest, MapDmaArgumentsAndIovaAllocator) {
   EXPECT_EQ(link->dma_map(buf, 0, -1, 0, dma_prot::READ, &c).code(), Code::invalid_argument);
   EXPECT_EQ(link->dma_map(nullptr, 4096, -1, 0, dma_prot::READ, &c).code(), Code::invalid_argument);
 
-  // Destructor unmaps what is left (b and c), then closes.
+  // Destructor stops bus mastering, then unmaps what is left (b and c).
+  kernel.calls.clear();
   link.reset();
   EXPECT_EQ(kernel.unmaps.size(), 3u);
+  ASSERT_GE(kernel.calls.size(), 4u);
+  EXPECT_EQ(kernel.calls[1], "pwrite 12 0x70000000004 2");
+  EXPECT_EQ(kernel.calls[2], "ioctl 10 UNMAP_DMA");
+  EXPECT_EQ(kernel.calls[3], "ioctl 10 UNMAP_DMA");
 }
 
 TEST_F(VfioLinkTest, MapDmaFailureFreesIovaAndExplains) {
