@@ -233,7 +233,12 @@ Status VfioUserLink::init() {
     std::string caps = vu::caps_json({vu::kMaxMsgFds, vu::kMaxDataXferSize});
     std::vector<uint8_t> data(caps.begin(), caps.end());
     data.push_back(0);
-    HCOMM_TRY(transact(vu::Command::VERSION, bytes_of(v), data, {}, &rep, nullptr));
+    Status st = transact(vu::Command::VERSION, bytes_of(v), data, {}, &rep, nullptr);
+    if (st.code() == Code::timeout) {
+      // The usual cause: the server is busy with another client.
+      return Status(Code::timeout, st.message() + " (a vfio-user server serves one client at a time)");
+    }
+    HCOMM_TRY(st);
     if (rep.size() < sizeof(vu::Version)) {
       return Status::error(Code::protocol_error, "vfio-user %s: short VERSION reply", _path.c_str());
     }

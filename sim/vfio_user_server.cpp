@@ -91,11 +91,18 @@ Status VfioUserServer::start() {
   std::memcpy(addr.sun_path, _path.c_str(), _path.size() + 1);
 
   // Replace a stale socket left by a crashed server, but never delete a file
-  // that is not a socket.
+  // that is not a socket, nor one a live server still listens on.
   struct stat sb {};
   if (::lstat(_path.c_str(), &sb) == 0) {
     if (!S_ISSOCK(sb.st_mode)) {
       return Status::error(Code::invalid_argument, "%s exists and is not a socket", _path.c_str());
+    }
+    UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (probe.valid()) {
+      int rc = ::connect(probe.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+      if (rc == 0 || errno == EAGAIN) {
+        return Status::error(Code::invalid_argument, "%s is served by another live server", _path.c_str());
+      }
     }
     ::unlink(_path.c_str());
   }
