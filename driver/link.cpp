@@ -2,7 +2,7 @@
 
 #include <unistd.h>
 
-#include <atomic>
+#include "common/barrier.h"
 
 namespace hcomm::driver {
 
@@ -10,7 +10,7 @@ void Doorbell::ring(uint32_t value) const {
   if (mmio != nullptr) {
     // Device (write) barrier before the MMIO: the descriptor and the tail in
     // the shadow block must be visible before the device is poked.
-    std::atomic_thread_fence(std::memory_order_release);
+    wmb();
     *mmio = value;
     return;
   }

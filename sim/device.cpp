@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "common/barrier.h"
 #include "sim/reduce.h"
 
 namespace hcomm::sim {
@@ -27,14 +28,6 @@ int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
-}
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#else
-  std::atomic_signal_fence(std::memory_order_seq_cst);
-#endif
 }
 
 // [a, a+alen) inside [b, b+blen), overflow-safe.
@@ -697,12 +690,10 @@ CqStatus Device::execute(Queue& q, const abi::SqEntry& d, uint64_t* fault_addr) 
       // Every earlier descriptor of this queue has completed: the engine runs a
       // queue in order. Publish the value with release ordering so a waiter
       // that sees it also sees the data the earlier descriptors moved.
-      if (reinterpret_cast<uintptr_t>(t.ptr) % 8 == 0) {
-        std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(t.ptr)).store(d.value, std::memory_order_release);
-      } else {
-        std::atomic_thread_fence(std::memory_order_release);
-        std::memcpy(t.ptr, &d.value, 8);
-      }
+      // The translated address must be 8-byte aligned too (an ATT entry may
+      // shift alignment): the store is one atomic 64-bit write.
+      if (reinterpret_cast<uintptr_t>(t.ptr) % 8 != 0) return *fault_addr = d.dst, CqStatus::BAD_ALIGN;
+      std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(t.ptr)).store(d.value, std::memory_order_release);
       return CqStatus::OK;
     }
   }
@@ -790,7 +781,6 @@ void Device::engine_loop(Queue& q) {
           // Going to sleep: announce it, then re-check so a tail published
           // before the announcement is not missed (§8).
           sh->need_wakeup.value.store(1, std::memory_order_seq_cst);
-          std::atomic_thread_fence(std::memory_order_seq_cst);
           if (sh->sq_tail.value.load(std::memory_order_seq_cst) == q.sq_head) idle = true;
           else sh->need_wakeup.value.store(0, std::memory_order_relaxed);
         }

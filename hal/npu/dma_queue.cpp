@@ -1,5 +1,7 @@
 #include "hal/npu/dma_queue.h"
 
+#include "common/barrier.h"
+
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -142,12 +144,13 @@ Code DmaQueue::nop(uint64_t user_data, uint8_t flags, uint32_t* index) {
 
 void DmaQueue::submit() {
   if (_tail == _published) return;
-  _shadow->sq_tail.value.store(_tail, std::memory_order_release);
+  // seq_cst store, then seq_cst load of need_wakeup: pairs with the engine's
+  // "need_wakeup = 1 (seq_cst); re-read sq_tail (seq_cst)" (§8). In the single
+  // total order of seq_cst operations one of the two sides sees the other's
+  // store, so either the engine sees our tail or we see its flag and ring.
+  _shadow->sq_tail.value.store(_tail, std::memory_order_seq_cst);
   _published = _tail;
-  // Pairs with the engine's "need_wakeup = 1; fence; re-read tail" (§8): either
-  // the engine sees our tail, or we see its flag and ring.
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (_shadow->need_wakeup.value.load(std::memory_order_relaxed) != 0) {
+  if (_shadow->need_wakeup.value.load(std::memory_order_seq_cst) != 0) {
     _doorbell.ring(_tail);
     ++_doorbells;
   }
@@ -181,9 +184,7 @@ Code DmaQueue::wait(const Deadline& deadline) {
   // Spin first: a sim engine or silicon completes small copies in microseconds.
   for (int i = 0; i < 2000; ++i) {
     if (ready()) return Code::ok;
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
+    cpu_relax();
   }
   while (!ready()) {
     if (deadline.expired()) return Code::timeout;
