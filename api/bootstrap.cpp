@@ -1,0 +1,781 @@
+#include "api/bootstrap.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "api/run_dir.h"
+
+namespace hcomm::api {
+
+// ---------------------------------------------------------------- launch --
+
+namespace {
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return (v != nullptr && *v != '\0') ? v : nullptr;
+}
+
+// Parses a decimal integer in [lo, hi]; anything else is invalid_argument
+// naming the variable (no exceptions: std::strtol with full-string check).
+Status parse_int(const char* name, const char* value, long lo, long hi, int* out) {
+  errno = 0;
+  char* end = nullptr;
+  long v = std::strtol(value, &end, 10);
+  if (end == value || *end != '\0' || errno == ERANGE)
+    return Status::error(Code::invalid_argument, "%s=\"%s\" is not a decimal integer", name, value);
+  if (v < lo || v > hi)
+    return Status::error(Code::invalid_argument, "%s=%ld is outside [%ld, %ld]", name, v, lo, hi);
+  *out = static_cast<int>(v);
+  return Status::ok();
+}
+
+constexpr long kMaxRanks = 65536;
+
+Status read_master(LaunchInfo* li) {
+  const char* addr = env("MASTER_ADDR");
+  const char* port = env("MASTER_PORT");
+  if ((addr == nullptr) != (port == nullptr))
+    return Status::error(Code::invalid_argument, "MASTER_ADDR and MASTER_PORT must be set together (%s is missing)",
+                         addr == nullptr ? "MASTER_ADDR" : "MASTER_PORT");
+  if (addr == nullptr) return Status::ok();
+  li->master_addr = addr;
+  return parse_int("MASTER_PORT", port, 1, 65535, &li->master_port);
+}
+
+Status check_rank(const LaunchInfo& li, const char* rank_var) {
+  if (li.rank >= li.size)
+    return Status::error(Code::invalid_argument, "%s=%d is not below the world size %d", rank_var, li.rank,
+                         li.size);
+  return Status::ok();
+}
+
+}  // namespace
+
+Status detect_launch(LaunchInfo* out) {
+  if (out == nullptr) return Status::error(Code::invalid_argument, "detect_launch: null output");
+  LaunchInfo li;
+  const char* rank = env("RANK");
+  const char* world = env("WORLD_SIZE");
+  if (rank != nullptr || world != nullptr) {
+    if (rank == nullptr || world == nullptr)
+      return Status::error(Code::invalid_argument, "RANK and WORLD_SIZE must be set together (%s is missing)",
+                           rank == nullptr ? "RANK" : "WORLD_SIZE");
+    HCOMM_TRY(parse_int("WORLD_SIZE", world, 1, kMaxRanks, &li.size));
+    HCOMM_TRY(parse_int("RANK", rank, 0, kMaxRanks - 1, &li.rank));
+    HCOMM_TRY(check_rank(li, "RANK"));
+    if (const char* lr = env("LOCAL_RANK")) HCOMM_TRY(parse_int("LOCAL_RANK", lr, 0, kMaxRanks - 1, &li.local_rank));
+    if (const char* job = env("HCOMM_JOB_ID")) {
+      li.source = "hcomm-run";
+      li.job_id = job;
+    } else {
+      li.source = "torchrun";
+      if (const char* run = env("TORCHELASTIC_RUN_ID")) li.job_id = run;
+    }
+    HCOMM_TRY(read_master(&li));
+    *out = std::move(li);
+    return Status::ok();
+  }
+  const char* orank = env("OMPI_COMM_WORLD_RANK");
+  const char* osize = env("OMPI_COMM_WORLD_SIZE");
+  if (orank != nullptr || osize != nullptr) {
+    if (orank == nullptr || osize == nullptr)
+      return Status::error(Code::invalid_argument,
+                           "OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE must be set together (%s is missing)",
+                           orank == nullptr ? "OMPI_COMM_WORLD_RANK" : "OMPI_COMM_WORLD_SIZE");
+    li.source = "openmpi";
+    HCOMM_TRY(parse_int("OMPI_COMM_WORLD_SIZE", osize, 1, kMaxRanks, &li.size));
+    HCOMM_TRY(parse_int("OMPI_COMM_WORLD_RANK", orank, 0, kMaxRanks - 1, &li.rank));
+    HCOMM_TRY(check_rank(li, "OMPI_COMM_WORLD_RANK"));
+    if (const char* lr = env("OMPI_COMM_WORLD_LOCAL_RANK"))
+      HCOMM_TRY(parse_int("OMPI_COMM_WORLD_LOCAL_RANK", lr, 0, kMaxRanks - 1, &li.local_rank));
+    if (const char* j = env("OMPI_MCA_ess_base_jobid")) li.job_id = j;
+    else if (const char* ns = env("PMIX_NAMESPACE")) li.job_id = ns;
+    HCOMM_TRY(read_master(&li));
+    *out = std::move(li);
+    return Status::ok();
+  }
+  const char* prank = env("PMIX_RANK");
+  const char* pns = env("PMIX_NAMESPACE");
+  if (prank != nullptr && pns != nullptr) {
+    li.source = "pmix";
+    li.job_id = pns;
+    const char* psize = env("OMPI_COMM_WORLD_SIZE");
+    const char* size_var = "OMPI_COMM_WORLD_SIZE";
+    if (psize == nullptr) psize = env(size_var = "PMIX_SIZE");
+    if (psize == nullptr)
+      return Status::error(Code::invalid_argument,
+                           "PMIX_RANK is set but the world size is not in the environment "
+                           "(OMPI_COMM_WORLD_SIZE or PMIX_SIZE)");
+    HCOMM_TRY(parse_int(size_var, psize, 1, kMaxRanks, &li.size));
+    HCOMM_TRY(parse_int("PMIX_RANK", prank, 0, kMaxRanks - 1, &li.rank));
+    HCOMM_TRY(check_rank(li, "PMIX_RANK"));
+    if (const char* lr = env("OMPI_COMM_WORLD_LOCAL_RANK"))
+      HCOMM_TRY(parse_int("OMPI_COMM_WORLD_LOCAL_RANK", lr, 0, kMaxRanks - 1, &li.local_rank));
+    HCOMM_TRY(read_master(&li));
+    *out = std::move(li);
+    return Status::ok();
+  }
+  li.source = "single";
+  *out = std::move(li);
+  return Status::ok();
+}
+
+// ------------------------------------------------------------ wire format --
+//
+// Every frame: a 16-byte header in network byte order, then `length` bytes.
+//   magic 'HCBS' | version u16 | type u16 | seq u32 | length u32
+// HELLO   leaf -> root  u32 rank, u32 size, job id bytes
+// WELCOME root -> leaf  empty: everyone has joined
+// CONTRIB leaf -> root  the blob of collective #seq
+// RESULT  root -> leaf  u32 count, then count x (u32 len, bytes)
+// ABORT   root -> leaf  u32 code, message bytes: the job failed, and why
+
+namespace {
+
+constexpr uint32_t kMagic = 0x48434253;  // "HCBS"
+constexpr uint16_t kVersion = 1;
+enum FrameType : uint16_t { kHello = 1, kWelcome, kContrib, kResult, kAbort };
+constexpr size_t kHeader = 16;
+constexpr size_t kMaxJobId = 1024;
+constexpr size_t kMaxAbortMsg = 4096;
+
+void put32(std::string* s, uint32_t v) {
+  uint32_t be = htonl(v);
+  s->append(reinterpret_cast<const char*>(&be), 4);
+}
+uint32_t get32(const char* p) {
+  uint32_t be;
+  std::memcpy(&be, p, 4);
+  return ntohl(be);
+}
+
+std::string frame(FrameType type, uint32_t seq, const std::string& payload) {
+  std::string f;
+  f.reserve(kHeader + payload.size());
+  put32(&f, kMagic);
+  uint16_t v = htons(kVersion), t = htons(type);
+  f.append(reinterpret_cast<const char*>(&v), 2);
+  f.append(reinterpret_cast<const char*>(&t), 2);
+  put32(&f, seq);
+  put32(&f, static_cast<uint32_t>(payload.size()));
+  f += payload;
+  return f;
+}
+
+struct Frame {
+  FrameType type = kHello;
+  uint32_t seq = 0;
+  std::string payload;
+};
+
+// Waits for `events` on fd until the deadline: ok, or timeout.
+Status wait_fd(int fd, short events, const Deadline& dl, const std::string& what) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    int n = ::poll(&p, 1, dl.remaining_ms());
+    if (n > 0) return Status::ok();
+    if (n == 0) return Status::error(Code::timeout, "%s: deadline passed", what.c_str());
+    if (errno != EINTR) return Status::from_errno(errno, what + ": poll");
+  }
+}
+
+// `who` names the other side in messages ("rank 3").
+Status write_all(int fd, const std::string& bytes, const Deadline& dl, const std::string& who) {
+  size_t off = 0;
+  while (off < bytes.size()) {
+    ssize_t n = ::send(fd, bytes.data() + off, bytes.size() - off, MSG_NOSIGNAL);
+    if (n > 0) {
+      off += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      HCOMM_TRY(wait_fd(fd, POLLOUT, dl, "sending to " + who));
+      continue;
+    }
+    if (n < 0 && (errno == EPIPE || errno == ECONNRESET))
+      return Status::error(Code::peer_failure, "%s closed its bootstrap connection (exited or killed?)",
+                           who.c_str());
+    return Status::from_errno(errno, "send to " + who);
+  }
+  return Status::ok();
+}
+
+Status read_exact(int fd, char* buf, size_t len, const Deadline& dl, const std::string& who) {
+  size_t off = 0;
+  while (off < len) {
+    ssize_t n = ::recv(fd, buf + off, len - off, 0);
+    if (n > 0) {
+      off += static_cast<size_t>(n);
+      continue;
+    }
+    if (n == 0 || (n < 0 && errno == ECONNRESET))
+      return Status::error(Code::peer_failure, "%s closed its bootstrap connection (exited or killed?)",
+                           who.c_str());
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      HCOMM_TRY(wait_fd(fd, POLLIN, dl, "waiting for " + who));
+      continue;
+    }
+    return Status::from_errno(errno, "recv from " + who);
+  }
+  return Status::ok();
+}
+
+// Reads one frame; the header is validated before any payload is read, so a
+// garbage length never makes us allocate.
+Status read_frame(int fd, const Deadline& dl, size_t max_payload, const std::string& who, Frame* f) {
+  char h[kHeader];
+  HCOMM_TRY(read_exact(fd, h, kHeader, dl, who));
+  uint32_t magic = get32(h);
+  uint16_t version, type;
+  std::memcpy(&version, h + 4, 2);
+  std::memcpy(&type, h + 6, 2);
+  version = ntohs(version);
+  type = ntohs(type);
+  uint32_t len = get32(h + 12);
+  if (magic != kMagic)
+    return Status::error(Code::protocol_error, "bootstrap frame from %s: bad magic 0x%08x", who.c_str(), magic);
+  if (version != kVersion)
+    return Status::error(Code::protocol_error, "bootstrap frame from %s: version %u, expected %u", who.c_str(),
+                         version, kVersion);
+  if (type < kHello || type > kAbort)
+    return Status::error(Code::protocol_error, "bootstrap frame from %s: unknown type %u", who.c_str(), type);
+  size_t cap = type == kAbort ? kMaxAbortMsg + 4 : max_payload;
+  if (len > cap)
+    return Status::error(Code::protocol_error, "bootstrap frame from %s: length %u exceeds %zu", who.c_str(), len,
+                         cap);
+  f->type = static_cast<FrameType>(type);
+  f->seq = get32(h + 8);
+  f->payload.assign(len, '\0');
+  return read_exact(fd, f->payload.data(), len, dl, who);
+}
+
+std::string abort_payload(const Status& st) {
+  std::string p;
+  put32(&p, static_cast<uint32_t>(st.code()));
+  p += st.message().substr(0, kMaxAbortMsg);
+  return p;
+}
+
+Status abort_status(const Frame& f, const std::string& who) {
+  if (f.payload.size() < 4) return Status::error(Code::protocol_error, "short ABORT frame from %s", who.c_str());
+  uint32_t code = get32(f.payload.data());
+  if (code == 0 || code > static_cast<uint32_t>(Code::closed)) code = static_cast<uint32_t>(Code::peer_failure);
+  return Status(static_cast<Code>(code), who + " aborted the job: " + f.payload.substr(4));
+}
+
+std::string rank_name(int r) { return "rank " + std::to_string(r); }
+
+std::string endpoint(const std::string& addr, int port) {
+  if (addr.find(':') != std::string::npos) return "[" + addr + "]:" + std::to_string(port);
+  return addr + ":" + std::to_string(port);
+}
+
+// --- rendezvous address: MASTER_ADDR, or the single-host port file ---
+
+std::string port_file(const std::string& dir, const std::string& job) {
+  return dir + "/job-" + file_safe_job(job) + ".port";
+}
+
+Status publish_port(const std::string& path, int port) {
+  std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return Status::from_errno(errno, "create " + tmp);
+  std::string body = "hcomm-port " + std::to_string(port) + "\n";
+  bool ok = ::write(fd, body.data(), body.size()) == static_cast<ssize_t>(body.size());
+  int err = errno;
+  ::close(fd);
+  // rename(2) is atomic: a reader sees the old file, no file, or this one whole.
+  if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    if (ok) err = errno;
+    ::unlink(tmp.c_str());
+    return Status::from_errno(err, "publish " + path);
+  }
+  return Status::ok();
+}
+
+// 0 when the file is absent or not (yet) a valid port file.
+int read_port_file(const std::string& path) {
+  std::ifstream in(path);
+  std::string tag;
+  long port = 0;
+  if (!(in >> tag >> port) || tag != "hcomm-port" || port < 1 || port > 65535) return 0;
+  return static_cast<int>(port);
+}
+
+Status resolve(const std::string& addr, int port, bool passive, addrinfo** res) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = passive ? AI_PASSIVE : 0;
+  std::string svc = std::to_string(port);
+  int rc = ::getaddrinfo(addr.c_str(), svc.c_str(), &hints, res);
+  if (rc != 0)
+    return Status::error(Code::invalid_argument, "cannot resolve MASTER_ADDR \"%s\": %s", addr.c_str(),
+                         ::gai_strerror(rc));
+  return Status::ok();
+}
+
+void tune(int fd) {
+  int one = 1;
+  (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+// Rank 0's listening socket on addr:port (port 0: ephemeral; *bound gets the
+// port actually bound).
+Status listen_on(const std::string& addr, int port, UniqueFd* out, int* bound) {
+  addrinfo* res = nullptr;
+  HCOMM_TRY(resolve(addr, port, true, &res));
+  Status last = Status::error(Code::io_error, "no usable address for %s", addr.c_str());
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    UniqueFd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol));
+    if (!fd.valid()) {
+      last = Status::from_errno(errno, "socket");
+      continue;
+    }
+    int one = 1;
+    (void)::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0 || ::listen(fd.get(), 1024) != 0) {
+      last = Status::from_errno(errno, "listen on " + endpoint(addr, port));
+      continue;
+    }
+    sockaddr_storage ss{};
+    socklen_t sl = sizeof ss;
+    if (::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &sl) != 0) {
+      last = Status::from_errno(errno, "getsockname");
+      continue;
+    }
+    *bound = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                            : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+    *out = std::move(fd);
+    ::freeaddrinfo(res);
+    return Status::ok();
+  }
+  ::freeaddrinfo(res);
+  return last;
+}
+
+// One connection attempt, bounded by `dl`; errors are retryable by the caller.
+Status try_connect(const std::string& addr, int port, const Deadline& dl, UniqueFd* out) {
+  addrinfo* res = nullptr;
+  HCOMM_TRY(resolve(addr, port, false, &res));
+  Status last = Status::error(Code::io_error, "no address for %s", addr.c_str());
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    UniqueFd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol));
+    if (!fd.valid()) {
+      last = Status::from_errno(errno, "socket");
+      continue;
+    }
+    if (::connect(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
+      if (errno != EINPROGRESS) {
+        last = Status::from_errno(errno, "connect " + endpoint(addr, port));
+        continue;
+      }
+      Status w = wait_fd(fd.get(), POLLOUT, dl, "connect " + endpoint(addr, port));
+      if (!w) {
+        last = w;
+        continue;
+      }
+      int err = 0;
+      socklen_t el = sizeof err;
+      (void)::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &el);
+      if (err != 0) {
+        last = Status::from_errno(err, "connect " + endpoint(addr, port));
+        continue;
+      }
+    }
+    tune(fd.get());
+    *out = std::move(fd);
+    ::freeaddrinfo(res);
+    return Status::ok();
+  }
+  ::freeaddrinfo(res);
+  return last;
+}
+
+std::string hello_payload(int rank, int size, const std::string& job) {
+  std::string p;
+  put32(&p, static_cast<uint32_t>(rank));
+  put32(&p, static_cast<uint32_t>(size));
+  p += job;
+  return p;
+}
+
+std::string list_ranks(const std::vector<int>& rs) {
+  std::string s;
+  for (int r : rs) s += (s.empty() ? "" : ", ") + std::to_string(r);
+  return s;
+}
+
+// Rank 0 answers before the deadline its peers share, so that they hear
+// why (a missing rank) instead of timing out on their own.
+Deadline root_deadline(const Deadline& dl) {
+  auto left = dl.at() - Clock::now();
+  auto margin = std::min<Clock::duration>(std::chrono::milliseconds(500), left / 10);
+  return Deadline(std::chrono::duration_cast<std::chrono::nanoseconds>(left - margin));
+}
+
+}  // namespace
+
+// -------------------------------------------------------------- Bootstrap --
+
+Bootstrap::Bootstrap(int rank, int size, std::string job_id)
+    : _rank(rank), _size(size), _job_id(std::move(job_id)), _peers(static_cast<size_t>(size)) {}
+
+Bootstrap::~Bootstrap() = default;
+
+Status Bootstrap::fail(Status st) {
+  if (_failed.is_ok()) _failed = st;
+  _peers.clear();  // closing wakes every peer still waiting on us
+  _peers.resize(static_cast<size_t>(_size));
+  return st;
+}
+
+void Bootstrap::abort_all(const Status& why) {
+  std::string f = frame(kAbort, _seq, abort_payload(why));
+  Deadline dl = Deadline::after_ms(200);
+  for (int r = 1; r < _size; ++r)
+    if (_peers[static_cast<size_t>(r)].valid())
+      (void)write_all(_peers[static_cast<size_t>(r)].get(), f, dl, rank_name(r));
+}
+
+struct BootstrapBuilder {
+  static Status root(Bootstrap& b, const LaunchInfo& li, const Deadline& dl, int timeout_ms);
+  static Status leaf(Bootstrap& b, const LaunchInfo& li, const Deadline& dl, int timeout_ms);
+};
+
+Status BootstrapBuilder::root(Bootstrap& b, const LaunchInfo& li, const Deadline& dl, int timeout_ms) {
+  const bool file_mode = li.master_addr.empty();
+  std::string addr = file_mode ? "127.0.0.1" : li.master_addr;
+  UniqueFd lfd;
+  int port = 0;
+  HCOMM_TRY(listen_on(addr, file_mode ? 0 : li.master_port, &lfd, &port));
+  std::string where = endpoint(addr, port);
+  std::string pfile;
+  if (file_mode) {
+    std::string dir;
+    HCOMM_TRY(private_run_dir(&dir));
+    pfile = port_file(dir, b._job_id);
+    HCOMM_TRY(publish_port(pfile, port));
+  }
+  // The port file only serves the join; nobody needs it afterwards.
+  struct Unlink {
+    std::string p;
+    ~Unlink() {
+      if (!p.empty()) ::unlink(p.c_str());
+    }
+  } unlink_pfile{pfile};
+
+  Deadline join = root_deadline(dl);
+  int joined = 1;
+  std::string dropped;  // why stray connections were refused, for the timeout message
+  while (joined < b._size) {
+    // Poll the listener and every joined rank: one that leaves before the
+    // job has formed must fail the join now, not at the first collective.
+    std::vector<pollfd> pfds{{lfd.get(), POLLIN, 0}};
+    std::vector<int> who{0};
+    for (int r = 1; r < b._size; ++r)
+      if (b._peers[static_cast<size_t>(r)].valid()) {
+        pfds.push_back({b._peers[static_cast<size_t>(r)].get(), POLLIN, 0});
+        who.push_back(r);
+      }
+    int n = ::poll(pfds.data(), pfds.size(), join.remaining_ms());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return Status::from_errno(errno, "bootstrap poll");
+    if (n == 0) {
+      std::vector<int> missing;
+      for (int r = 1; r < b._size; ++r)
+        if (!b._peers[static_cast<size_t>(r)].valid()) missing.push_back(r);
+      Status st = Status::error(Code::timeout, "rank%s %s of %d did not join the rendezvous at %s within %d ms%s",
+                                missing.size() > 1 ? "s" : "", list_ranks(missing).c_str(), b._size,
+                                where.c_str(), timeout_ms, dropped.c_str());
+      b.abort_all(st);
+      return st;
+    }
+    for (size_t i = 1; i < pfds.size(); ++i) {
+      if (pfds[i].revents == 0) continue;
+      char c;
+      ssize_t got = ::recv(pfds[i].fd, &c, 1, MSG_PEEK);
+      if (got < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+      Status st = got <= 0
+                      ? Status::error(Code::peer_failure, "rank %d left before all %d ranks joined", who[i], b._size)
+                      : Status::error(Code::protocol_error, "rank %d sent data before the job formed", who[i]);
+      b._peers[static_cast<size_t>(who[i])].reset();
+      b.abort_all(st);
+      return st;
+    }
+    if (pfds[0].revents == 0) continue;
+    UniqueFd c(::accept4(lfd.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (!c.valid()) {
+      if (errno == EAGAIN || errno == EINTR || errno == ECONNABORTED) continue;
+      return Status::from_errno(errno, "accept on " + where);
+    }
+    tune(c.get());
+    // A connected client sends HELLO at once; a silent one is dropped
+    // after a short while so that it cannot hold up the others.
+    Deadline hdl(std::min(std::chrono::nanoseconds(std::chrono::seconds(2)),
+                          std::chrono::duration_cast<std::chrono::nanoseconds>(join.at() - Clock::now())));
+    Frame f;
+    Status st = read_frame(c.get(), hdl, 8 + kMaxJobId, "a connecting rank", &f);
+    if (st && f.type != kHello) st = Status::error(Code::protocol_error, "first frame is not HELLO");
+    if (st && f.payload.size() < 8) st = Status::error(Code::protocol_error, "short HELLO");
+    if (!st) {
+      dropped += "; dropped a connection: " + st.message();
+      continue;
+    }
+    uint32_t r = get32(f.payload.data()), sz = get32(f.payload.data() + 4);
+    std::string job = f.payload.substr(8);
+    Status reject;
+    if (sz != static_cast<uint32_t>(b._size))
+      reject = Status::error(Code::invalid_argument, "world size mismatch: rank 0 has %d, rank %u has %u", b._size,
+                             r, sz);
+    else if (job != b._job_id)
+      reject = Status::error(Code::invalid_argument, "job id mismatch: rank 0 is in \"%s\", rank %u in \"%s\"",
+                             b._job_id.c_str(), r, job.c_str());
+    else if (r == 0 || r >= sz)
+      reject = Status::error(Code::invalid_argument, "rank %u is out of range for world size %u", r, sz);
+    else if (b._peers[r].valid())
+      reject = Status::error(Code::invalid_argument, "rank %u joined twice", r);
+    if (!reject.is_ok()) {
+      // Tell the stray process why, then carry on waiting for the real one.
+      (void)write_all(c.get(), frame(kAbort, 0, abort_payload(reject)), Deadline::after_ms(200), "a stray rank");
+      dropped += "; refused a connection: " + reject.message();
+      continue;
+    }
+    b._peers[r] = std::move(c);
+    ++joined;
+  }
+  std::string welcome = frame(kWelcome, 0, "");
+  for (int r = 1; r < b._size; ++r) {
+    Status st = write_all(b._peers[static_cast<size_t>(r)].get(), welcome, dl, rank_name(r));
+    if (!st) {
+      b._peers[static_cast<size_t>(r)].reset();
+      b.abort_all(st);
+      return st;
+    }
+  }
+  return Status::ok();
+}
+
+Status BootstrapBuilder::leaf(Bootstrap& b, const LaunchInfo& li, const Deadline& dl, int timeout_ms) {
+  const bool file_mode = li.master_addr.empty();
+  std::string pfile;
+  if (file_mode) {
+    std::string dir;
+    HCOMM_TRY(private_run_dir(&dir));
+    pfile = port_file(dir, b._job_id);
+  }
+  std::string who = "rank 0";
+  UniqueFd fd;
+  Status last;
+  std::string where;
+  for (;;) {
+    int port = li.master_port;
+    std::string addr = li.master_addr;
+    if (file_mode) {
+      // Re-read every time: a stale file from an earlier run with the same
+      // id may be replaced by the live rank 0's at any moment.
+      addr = "127.0.0.1";
+      port = read_port_file(pfile);
+    }
+    if (port > 0) {
+      where = endpoint(addr, port);
+      Deadline attempt(std::min(std::chrono::nanoseconds(std::chrono::seconds(1)),
+                                std::chrono::duration_cast<std::chrono::nanoseconds>(dl.at() - Clock::now())));
+      last = try_connect(addr, port, attempt, &fd);
+      if (last) {
+        last = write_all(fd.get(), frame(kHello, 0, hello_payload(b._rank, b._size, b._job_id)), dl, who);
+        if (last) break;
+        fd.reset();
+      }
+      if (last.code() == Code::invalid_argument) return last;  // unresolvable address: retrying won't help
+    }
+    if (dl.expired()) {
+      if (file_mode && port == 0)
+        return Status::error(Code::timeout, "rank %d: rank 0 did not publish its port in %s within %d ms", b._rank,
+                             pfile.c_str(), timeout_ms);
+      return Status::error(Code::timeout, "rank %d: could not reach rank 0 at %s within %d ms (%s)", b._rank,
+                           where.c_str(), timeout_ms, last.message().c_str());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::min(50, std::max(1, dl.remaining_ms()))));
+  }
+  Frame f;
+  Status st = read_frame(fd.get(), dl, 0, who, &f);
+  if (!st) {
+    if (st.code() == Code::timeout)
+      return Status::error(Code::timeout, "rank %d: connected to rank 0 at %s, but the job did not form within %d ms",
+                           b._rank, where.c_str(), timeout_ms);
+    return st;
+  }
+  if (f.type == kAbort) return abort_status(f, who);
+  if (f.type != kWelcome)
+    return Status::error(Code::protocol_error, "rank 0 answered HELLO with frame type %u", f.type);
+  b._peers[0] = std::move(fd);
+  return Status::ok();
+}
+
+Status Bootstrap::create(const LaunchInfo& li, int timeout_ms, std::unique_ptr<Bootstrap>* out) {
+  if (out == nullptr) return Status::error(Code::invalid_argument, "Bootstrap::create: null output");
+  if (li.size < 1 || li.size > kMaxRanks)
+    return Status::error(Code::invalid_argument, "world size %d is outside [1, %ld]", li.size, kMaxRanks);
+  if (li.rank < 0 || li.rank >= li.size)
+    return Status::error(Code::invalid_argument, "rank %d is outside [0, %d)", li.rank, li.size);
+  if (timeout_ms <= 0) return Status::error(Code::invalid_argument, "timeout_ms must be positive, got %d", timeout_ms);
+  if (li.job_id.size() > kMaxJobId)
+    return Status::error(Code::invalid_argument, "job id longer than %zu bytes", kMaxJobId);
+  if (!li.master_addr.empty() && (li.master_port < 1 || li.master_port > 65535))
+    return Status::error(Code::invalid_argument, "master port %d is outside 1..65535", li.master_port);
+  std::string job = li.job_id;
+  if (job.empty()) {
+    if (li.size > 1 && li.master_addr.empty())
+      return Status::error(Code::invalid_argument,
+                           "no MASTER_ADDR/MASTER_PORT and no job id: cannot find the rendezvous");
+    job = li.master_addr.empty() ? "single-" + std::to_string(::getpid())
+                                 : "tcp-" + endpoint(li.master_addr, li.master_port);
+  }
+  std::unique_ptr<Bootstrap> b(new Bootstrap(li.rank, li.size, std::move(job)));
+  if (li.size > 1) {
+    Deadline dl = Deadline::after_ms(timeout_ms);
+    HCOMM_TRY(li.rank == 0 ? BootstrapBuilder::root(*b, li, dl, timeout_ms)
+                           : BootstrapBuilder::leaf(*b, li, dl, timeout_ms));
+  }
+  *out = std::move(b);
+  return Status::ok();
+}
+
+Status Bootstrap::allgather_root(const std::string& mine, std::vector<std::string>* all, const Deadline& dl) {
+  all->assign(static_cast<size_t>(_size), std::string());
+  (*all)[0] = mine;
+  std::vector<bool> have(static_cast<size_t>(_size), false);
+  have[0] = true;
+  int missing = _size - 1;
+  Deadline rdl = root_deadline(dl);
+  while (missing > 0) {
+    std::vector<pollfd> pfds;
+    std::vector<int> who;
+    for (int r = 1; r < _size; ++r)
+      if (!have[static_cast<size_t>(r)]) {
+        pfds.push_back({_peers[static_cast<size_t>(r)].get(), POLLIN, 0});
+        who.push_back(r);
+      }
+    int n = ::poll(pfds.data(), pfds.size(), rdl.remaining_ms());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return fail(Status::from_errno(errno, "bootstrap poll"));
+    if (n == 0) {
+      Status st = Status::error(Code::timeout, "collective #%u: rank%s %s did not arrive before the deadline", _seq,
+                                who.size() > 1 ? "s" : "", list_ranks(who).c_str());
+      abort_all(st);
+      return fail(st);
+    }
+    for (size_t i = 0; i < pfds.size(); ++i) {
+      if (pfds[i].revents == 0) continue;
+      int r = who[i];
+      Frame f;
+      Status st = read_frame(pfds[i].fd, dl, kMaxBlob, rank_name(r), &f);
+      if (st && f.type != kContrib)
+        st = Status::error(Code::protocol_error, "rank %d sent frame type %u in collective #%u", r, f.type, _seq);
+      if (st && f.seq != _seq)
+        st = Status::error(Code::protocol_error,
+                           "rank %d is in collective #%u, rank 0 in #%u (collectives called in a different order?)", r,
+                           f.seq, _seq);
+      if (!st) {
+        _peers[static_cast<size_t>(r)].reset();
+        abort_all(st);
+        return fail(st);
+      }
+      (*all)[static_cast<size_t>(r)] = std::move(f.payload);
+      have[static_cast<size_t>(r)] = true;
+      --missing;
+    }
+  }
+  std::string payload;
+  put32(&payload, static_cast<uint32_t>(_size));
+  for (const auto& s : *all) {
+    put32(&payload, static_cast<uint32_t>(s.size()));
+    payload += s;
+  }
+  std::string f = frame(kResult, _seq, payload);
+  for (int r = 1; r < _size; ++r) {
+    Status st = write_all(_peers[static_cast<size_t>(r)].get(), f, dl, rank_name(r));
+    if (!st) {
+      _peers[static_cast<size_t>(r)].reset();
+      abort_all(st);
+      return fail(st);
+    }
+  }
+  return Status::ok();
+}
+
+Status Bootstrap::allgather_leaf(const std::string& mine, std::vector<std::string>* all, const Deadline& dl) {
+  const std::string who = "rank 0";
+  HCOMM_TRY(write_all(_peers[0].get(), frame(kContrib, _seq, mine), dl, who));
+  Frame f;
+  size_t cap = 4 + static_cast<size_t>(_size) * (4 + kMaxBlob);
+  Status st = read_frame(_peers[0].get(), dl, cap, who, &f);
+  if (!st) {
+    if (st.code() == Code::timeout)
+      return Status::error(Code::timeout, "rank %d: collective #%u: no answer from rank 0 before the deadline", _rank,
+                           _seq);
+    return st;
+  }
+  if (f.type == kAbort) return abort_status(f, who);
+  if (f.type != kResult || f.seq != _seq)
+    return Status::error(Code::protocol_error, "rank 0 sent frame type %u seq %u, expected a RESULT of #%u", f.type,
+                         f.seq, _seq);
+  const std::string& p = f.payload;
+  if (p.size() < 4 || get32(p.data()) != static_cast<uint32_t>(_size))
+    return Status::error(Code::protocol_error, "RESULT from rank 0 does not hold %d blobs", _size);
+  all->assign(static_cast<size_t>(_size), std::string());
+  size_t off = 4;
+  for (int r = 0; r < _size; ++r) {
+    if (p.size() - off < 4) return Status::error(Code::protocol_error, "RESULT from rank 0 is truncated");
+    size_t len = get32(p.data() + off);
+    off += 4;
+    if (len > kMaxBlob || p.size() - off < len)
+      return Status::error(Code::protocol_error, "RESULT from rank 0: blob %d has a bad length %zu", r, len);
+    (*all)[static_cast<size_t>(r)] = p.substr(off, len);
+    off += len;
+  }
+  if (off != p.size()) return Status::error(Code::protocol_error, "RESULT from rank 0 has trailing bytes");
+  return Status::ok();
+}
+
+Status Bootstrap::allgather(const std::string& mine, std::vector<std::string>* all, const Deadline& dl) {
+  if (!_failed.is_ok()) return _failed;
+  if (all == nullptr) return Status::error(Code::invalid_argument, "allgather: null output");
+  if (mine.size() > kMaxBlob)
+    return Status::error(Code::invalid_argument, "allgather: blob of %zu bytes exceeds %zu", mine.size(), kMaxBlob);
+  if (_size == 1) {
+    all->assign(1, mine);
+  } else if (_rank == 0) {
+    HCOMM_TRY(allgather_root(mine, all, dl));
+  } else {
+    Status st = allgather_leaf(mine, all, dl);
+    if (!st) return fail(st);
+  }
+  ++_seq;
+  return Status::ok();
+}
+
+Status Bootstrap::barrier(const Deadline& dl) {
+  std::vector<std::string> ignored;
+  return allgather(std::string(), &ignored, dl);
+}
+
+}  // namespace hcomm::api
