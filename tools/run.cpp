@@ -1,0 +1,514 @@
+// hcomm-run: starts N ranks of a program on this host, the way torchrun or
+// mpirun would, for tests, examples and laptops.
+//
+//   hcomm-run -n N [--sim] [--sim-devices K] [--timeout SEC] [--grace SEC] [--] prog args...
+//
+// Every rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+// MASTER_ADDR=127.0.0.1, MASTER_PORT (a port that was free a moment ago) and
+// HCOMM_JOB_ID (unique per run), which api::detect_launch reads. Each output
+// line of rank r is written as "[r] line" to hcomm-run's stdout or stderr
+// (kept apart), in one write, so lines never mix mid-line; a line longer
+// than 64 KiB is split. The ranks' stdin is /dev/null.
+//
+// Simulator: with --sim, or when HCOMM_ENGINE=npu and no simulator socket
+// exists in $HCOMM_SIM_DIR (default /tmp/hcomm-sim-<uid>), hcomm-sim is
+// started in a fresh temp dir with --devices max(N,2) (or K), its output is
+// prefixed "[sim] ", HCOMM_SIM_DIR points the ranks at it, and it is stopped
+// at the end. hcomm-sim is looked up next to this binary
+// (<dir>/../sim/hcomm-sim, the build tree layout), then on PATH.
+//
+// Exit status: the worst (largest) status of the ranks that ended on their
+// own, a rank killed by a signal counting as 128+signo. When a rank fails
+// the others get --grace seconds (default 10) to finish, then SIGTERM and,
+// 2 s later, SIGKILL; ranks stopped that way do not count. --timeout: after
+// SEC everything is stopped the same way and the status is 124. SIGINT /
+// SIGTERM / SIGHUP to hcomm-run stop every rank and give 128+signo. 2: usage
+// or start-up error. Each rank runs in its own process group, which is killed
+// when the run ends, so no stray grandchild outlives it.
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/paths.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kMaxLine = 64 * 1024;
+constexpr auto kKillDelay = std::chrono::seconds(2);
+
+struct Options {
+  int n = 0;
+  bool sim = false;
+  int sim_devices = 0;
+  double timeout_s = 0;
+  double grace_s = 10;
+  std::vector<std::string> argv;
+};
+
+[[noreturn]] void usage(const char* why) {
+  std::fprintf(stderr,
+               "hcomm-run: %s\n"
+               "usage: hcomm-run -n N [--sim] [--sim-devices K] [--timeout SEC] [--grace SEC] [--] prog args...\n",
+               why);
+  std::exit(2);
+}
+
+bool parse_num(const char* s, double lo, double hi, double* out) {
+  char* end = nullptr;
+  errno = 0;
+  double v = std::strtod(s, &end);
+  if (end == s || *end != '\0' || errno != 0 || !(v >= lo && v <= hi)) return false;
+  *out = v;
+  return true;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  int i = 1;
+  auto value = [&](const char* opt) -> const char* {
+    if (i + 1 >= argc) usage((std::string(opt) + " needs a value").c_str());
+    return argv[++i];
+  };
+  for (; i < argc; ++i) {
+    std::string a = argv[i];
+    double v;
+    if (a == "--") {
+      ++i;
+      break;
+    } else if (a == "-n" || a == "--np") {
+      if (!parse_num(value("-n"), 1, 4096, &v) || v != static_cast<int>(v)) usage("-n wants an integer in 1..4096");
+      o.n = static_cast<int>(v);
+    } else if (a == "--sim") {
+      o.sim = true;
+    } else if (a == "--sim-devices") {
+      if (!parse_num(value("--sim-devices"), 1, 256, &v) || v != static_cast<int>(v))
+        usage("--sim-devices wants an integer in 1..256");
+      o.sim_devices = static_cast<int>(v);
+    } else if (a == "--timeout") {
+      if (!parse_num(value("--timeout"), 0.001, 1e7, &v)) usage("--timeout wants a positive number of seconds");
+      o.timeout_s = v;
+    } else if (a == "--grace") {
+      if (!parse_num(value("--grace"), 0, 1e7, &v)) usage("--grace wants a number of seconds");
+      o.grace_s = v;
+    } else if (a == "-h" || a == "--help") {
+      usage("help");
+    } else if (!a.empty() && a[0] == '-') {
+      usage(("unknown option " + a).c_str());
+    } else {
+      break;
+    }
+  }
+  for (; i < argc; ++i) o.argv.emplace_back(argv[i]);
+  if (o.n == 0) usage("-n N is required");
+  if (o.argv.empty()) usage("no program given");
+  return o;
+}
+
+void write_full(int fd, const std::string& s) {
+  size_t off = 0;
+  while (off < s.size()) {
+    ssize_t n = ::write(fd, s.data() + off, s.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // our own output is gone (EPIPE): nothing better to do
+    off += static_cast<size_t>(n);
+  }
+}
+
+// One output stream of one child: reassembles lines and writes each whole.
+struct Stream {
+  int fd = -1;     // read end of the child's pipe; -1 once at EOF
+  int out = 1;     // where its lines go (1 or 2)
+  std::string prefix;
+  std::string buf;
+
+  void emit(std::string_view line) { write_full(out, prefix + std::string(line) + "\n"); }
+  void drain_lines() {
+    size_t start = 0;
+    for (;;) {
+      size_t nl = buf.find('\n', start);
+      if (nl == std::string::npos) break;
+      emit(std::string_view(buf).substr(start, nl - start));
+      start = nl + 1;
+    }
+    buf.erase(0, start);
+    while (buf.size() >= kMaxLine) {
+      emit(std::string_view(buf).substr(0, kMaxLine));
+      buf.erase(0, kMaxLine);
+    }
+  }
+  // Reads what is there; false at EOF (after flushing a last partial line).
+  bool read_some() {
+    char tmp[16384];
+    ssize_t n = ::read(fd, tmp, sizeof tmp);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) return true;
+    if (n > 0) {
+      buf.append(tmp, static_cast<size_t>(n));
+      drain_lines();
+      return true;
+    }
+    if (!buf.empty()) emit(buf);
+    buf.clear();
+    ::close(fd);
+    fd = -1;
+    return false;
+  }
+};
+
+struct Child {
+  pid_t pid = -1;      // -1 once reaped
+  int status = -1;     // exit status as a shell reports it (128+signo for a signal)
+  bool stopped_by_us = false;
+  Stream out, err;
+};
+
+int shell_status(int st) {
+  if (WIFEXITED(st)) return WEXITSTATUS(st);
+  if (WIFSIGNALED(st)) return 128 + WTERMSIG(st);
+  return 255;
+}
+
+sigset_t g_old_mask;
+
+// Forks a child with stdout/stderr on fresh pipes. In the child: own process
+// group, default signal dispositions and mask, stdin from /dev/null, `env`
+// added, then exec (127 if that fails).
+bool spawn(const std::vector<std::string>& args, const std::vector<std::pair<std::string, std::string>>& env,
+           const std::string& prefix, Child* c) {
+  int po[2], pe[2];
+  if (::pipe2(po, O_CLOEXEC) != 0) return false;
+  if (::pipe2(pe, O_CLOEXEC) != 0) {
+    ::close(po[0]);
+    ::close(po[1]);
+    return false;
+  }
+  // Everything the child needs is built before fork: after it, only
+  // async-signal-safe calls (and setenv, safe here: we are single-threaded).
+  std::vector<std::string> argcopy = args;
+  std::vector<char*> argv;
+  for (auto& a : argcopy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = ::fork();
+  if (pid < 0) return false;
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    for (int s : {SIGPIPE, SIGINT, SIGTERM, SIGHUP, SIGCHLD}) ::signal(s, SIG_DFL);
+    ::sigprocmask(SIG_SETMASK, &g_old_mask, nullptr);
+    int devnull = ::open("/dev/null", O_RDONLY);
+    if (devnull >= 0) ::dup2(devnull, 0);
+    ::dup2(po[1], 1);
+    ::dup2(pe[1], 2);
+    for (auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    ::execvp(argv[0], argv.data());
+    const char* e = std::strerror(errno);
+    std::string msg = std::string("hcomm-run: cannot exec ") + argv[0] + ": " + e + "\n";
+    write_full(2, msg);
+    ::_exit(127);
+  }
+  ::setpgid(pid, pid);  // also here, so that kill(-pid) works before the child runs
+  ::close(po[1]);
+  ::close(pe[1]);
+  c->pid = pid;
+  c->out = Stream{po[0], 1, prefix, {}};
+  c->err = Stream{pe[0], 2, prefix, {}};
+  return true;
+}
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  int port = -1;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+    port = ntohs(a.sin_port);
+  ::close(fd);
+  return port;
+}
+
+std::string sim_binary() {
+  char self[4096];
+  ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
+  if (n > 0) {
+    self[n] = '\0';
+    std::filesystem::path p = std::filesystem::path(self).parent_path() / ".." / "sim" / "hcomm-sim";
+    if (::access(p.c_str(), X_OK) == 0) return p.lexically_normal().string();
+  }
+  return "hcomm-sim";  // execvp searches PATH
+}
+
+bool wants_sim(const Options& o) {
+  if (o.sim) return true;
+  const char* eng = std::getenv("HCOMM_ENGINE");
+  if (eng == nullptr || std::string(eng) != "npu") return false;
+  struct stat sb{};
+  return ::stat(hcomm::sim_socket_path(hcomm::default_sim_dir(), 0).c_str(), &sb) != 0;
+}
+
+void signal_group(const Child& c, int sig) {
+  if (c.pid > 0) ::kill(-c.pid, sig);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options opt = parse(argc, argv);
+
+  // Signals arrive through a signalfd, in the one event loop: no handlers,
+  // no EINTR races. Children get the old mask back before exec.
+  sigset_t mask;
+  sigemptyset(&mask);
+  for (int s : {SIGCHLD, SIGINT, SIGTERM, SIGHUP}) sigaddset(&mask, s);
+  ::sigprocmask(SIG_BLOCK, &mask, &g_old_mask);
+  ::signal(SIGPIPE, SIG_IGN);
+  int sfd = ::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+  if (sfd < 0) {
+    std::perror("hcomm-run: signalfd");
+    return 2;
+  }
+
+  int port = free_port();
+  if (port < 0) {
+    std::perror("hcomm-run: picking a free port");
+    return 2;
+  }
+  timespec ts{};
+  ::clock_gettime(CLOCK_REALTIME, &ts);
+  char job[64];
+  std::snprintf(job, sizeof job, "hcomm-run-%d-%lx%09ld", static_cast<int>(::getpid()),
+                static_cast<unsigned long>(ts.tv_sec), static_cast<long>(ts.tv_nsec));
+
+  std::vector<std::pair<std::string, std::string>> env = {
+      {"WORLD_SIZE", std::to_string(opt.n)},       {"LOCAL_WORLD_SIZE", std::to_string(opt.n)},
+      {"MASTER_ADDR", "127.0.0.1"},                {"MASTER_PORT", std::to_string(port)},
+      {"HCOMM_JOB_ID", job},
+  };
+
+  // The simulator, when wanted. It is a Child too, so its output is prefixed
+  // and its exit is reaped by the same loop.
+  std::optional<Child> sim;
+  std::string sim_dir;
+  if (wants_sim(opt)) {
+    char tmpl[] = "/tmp/hcomm-run-sim-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) {
+      std::perror("hcomm-run: mkdtemp");
+      return 2;
+    }
+    sim_dir = tmpl;
+    int devices = opt.sim_devices > 0 ? opt.sim_devices : std::max(opt.n, 2);
+    sim.emplace();
+    if (!spawn({sim_binary(), "--dir", sim_dir, "--devices", std::to_string(devices)}, {}, "[sim] ", &*sim)) {
+      std::perror("hcomm-run: starting hcomm-sim");
+      return 2;
+    }
+    env.emplace_back("HCOMM_SIM_DIR", sim_dir);
+  }
+
+  std::vector<Child> ranks(static_cast<size_t>(opt.n));
+  auto now = Clock::now;
+  std::optional<Clock::time_point> run_deadline;
+  if (opt.timeout_s > 0)
+    run_deadline = now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(opt.timeout_s));
+  std::optional<Clock::time_point> grace_at, kill_at, drain_until, sim_ready_by;
+  int interrupted = 0;
+  bool timed_out = false, stopping = false, grace_started = false, started = false, startup_failed = false;
+  if (sim) sim_ready_by = now() + std::chrono::seconds(15);
+
+  auto live = [&] {
+    int k = 0;
+    for (auto& c : ranks) k += c.pid > 0;
+    return k;
+  };
+  // Asks every live rank to stop; SIGKILL follows kKillDelay later.
+  auto stop_all = [&] {
+    if (stopping) return;
+    stopping = true;
+    for (auto& c : ranks)
+      if (c.pid > 0) {
+        c.stopped_by_us = true;
+        signal_group(c, SIGTERM);
+      }
+    kill_at = now() + kKillDelay;
+  };
+  auto start_ranks = [&] {
+    started = true;
+    for (int r = 0; r < opt.n; ++r) {
+      auto e = env;
+      e.emplace_back("RANK", std::to_string(r));
+      e.emplace_back("LOCAL_RANK", std::to_string(r));
+      if (!spawn(opt.argv, e, "[" + std::to_string(r) + "] ", &ranks[static_cast<size_t>(r)])) {
+        std::perror("hcomm-run: fork");
+        startup_failed = true;
+        stop_all();
+        return;
+      }
+    }
+  };
+  if (!sim) start_ranks();
+
+  for (;;) {
+    // Starting: wait for the simulator's ready file before any rank runs.
+    if (sim && !started && !stopping) {
+      if (std::filesystem::exists(sim_dir + "/ready")) {
+        sim_ready_by.reset();
+        start_ranks();
+      } else if (sim->pid < 0 || now() >= *sim_ready_by) {
+        std::fprintf(stderr, "hcomm-run: hcomm-sim %s\n",
+                     sim->pid < 0 ? "exited during start-up" : "was not ready within 15 s");
+        startup_failed = true;
+        stopping = true;
+        sim_ready_by.reset();
+      }
+    }
+    bool ranks_done = (started || stopping) && live() == 0;
+    bool pipes_open = false;
+    for (auto& c : ranks) pipes_open |= c.out.fd >= 0 || c.err.fd >= 0;
+    // Each group was killed when its rank was reaped, so the pipes reach
+    // EOF at once; the bound only guards against a process that left its
+    // group and kept a pipe.
+    if (ranks_done && !drain_until) drain_until = now() + std::chrono::seconds(1);
+    if (ranks_done && (!pipes_open || now() >= *drain_until)) break;
+
+    // Timers.
+    auto t = now();
+    if (run_deadline && t >= *run_deadline && !timed_out && !ranks_done) {
+      timed_out = true;
+      std::fprintf(stderr, "hcomm-run: timeout after %g s, stopping all ranks\n", opt.timeout_s);
+      stop_all();
+    }
+    if (timed_out) run_deadline.reset();  // fired timers leave the poll timeout alone
+    if (grace_at && t >= *grace_at) {
+      if (!stopping) std::fprintf(stderr, "hcomm-run: grace period over, stopping the remaining ranks\n");
+      stop_all();
+      grace_at.reset();
+    }
+    if (kill_at && t >= *kill_at) {
+      for (auto& c : ranks) signal_group(c, SIGKILL);
+      kill_at.reset();
+    }
+    std::optional<Clock::time_point> next;
+    for (auto& tp : {run_deadline, grace_at, kill_at, drain_until, sim_ready_by})
+      if (tp && (!next || *tp < *next)) next = tp;
+    int wait_ms = -1;
+    if (next) {
+      auto ms = std::chrono::ceil<std::chrono::milliseconds>(*next - now()).count();
+      wait_ms = static_cast<int>(std::clamp<long long>(ms, 0, 1000));
+    }
+    if (sim && !started) wait_ms = wait_ms < 0 ? 10 : std::min(wait_ms, 10);
+
+    std::vector<pollfd> pfds{{sfd, POLLIN, 0}};
+    std::vector<Stream*> streams{nullptr};
+    auto add = [&](Stream& s) {
+      if (s.fd >= 0) {
+        pfds.push_back({s.fd, POLLIN, 0});
+        streams.push_back(&s);
+      }
+    };
+    for (auto& c : ranks) add(c.out), add(c.err);
+    if (sim) add(sim->out), add(sim->err);
+    int n = ::poll(pfds.data(), pfds.size(), wait_ms);
+    if (n < 0 && errno != EINTR) {
+      std::perror("hcomm-run: poll");
+      stop_all();
+    }
+    for (size_t i = 1; i < pfds.size(); ++i)
+      if (pfds[i].revents != 0) streams[i]->read_some();
+    if (n > 0 && pfds[0].revents != 0) {
+      signalfd_siginfo si;
+      while (::read(sfd, &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
+        int sig = static_cast<int>(si.ssi_signo);
+        if (sig == SIGCHLD) continue;  // reaped below
+        if (interrupted == 0) {
+          interrupted = sig;
+          std::fprintf(stderr, "hcomm-run: %s, stopping all ranks\n", ::strsignal(sig));
+        }
+        stop_all();
+        if (!started) stopping = true;
+      }
+    }
+    // Reap whatever exited (SIGCHLD coalesces: loop until nothing is left).
+    for (;;) {
+      int st;
+      pid_t p = ::waitpid(-1, &st, WNOHANG);
+      if (p <= 0) break;
+      if (sim && p == sim->pid) {
+        sim->pid = -1;
+        sim->status = shell_status(st);
+        if (started && !stopping) std::fprintf(stderr, "hcomm-run: hcomm-sim exited early (status %d)\n", sim->status);
+        continue;
+      }
+      for (size_t r = 0; r < ranks.size(); ++r) {
+        Child& c = ranks[r];
+        if (c.pid != p) continue;
+        // Kill what the rank left behind in its group, then forget the pid.
+        ::kill(-c.pid, SIGKILL);
+        c.pid = -1;
+        c.status = shell_status(st);
+        if (c.status != 0 && !c.stopped_by_us && !stopping && live() > 0 && !grace_started) {
+          grace_started = true;
+          std::fprintf(stderr, "hcomm-run: rank %zu failed (status %d); stopping the others in %g s\n", r, c.status,
+                       opt.grace_s);
+          grace_at = now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(opt.grace_s));
+        }
+      }
+    }
+  }
+
+  for (auto& c : ranks) {
+    if (c.out.fd >= 0) ::close(c.out.fd);
+    if (c.err.fd >= 0) ::close(c.err.fd);
+  }
+  if (sim) {
+    if (sim->pid > 0) {
+      ::kill(sim->pid, SIGTERM);
+      auto until = now() + std::chrono::seconds(5);
+      int st;
+      while (::waitpid(sim->pid, &st, WNOHANG) == 0) {
+        if (now() >= until) {
+          ::kill(sim->pid, SIGKILL);
+          ::waitpid(sim->pid, &st, 0);
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    }
+    for (Stream* s : {&sim->out, &sim->err})
+      while (s->fd >= 0 && s->read_some()) {
+      }
+    std::error_code ec;
+    std::filesystem::remove_all(sim_dir, ec);
+  }
+
+  if (interrupted != 0) return 128 + interrupted;
+  if (timed_out) return 124;
+  if (startup_failed) return 2;
+  int worst = 0, worst_any = 0;
+  for (auto& c : ranks) {
+    worst_any = std::max(worst_any, c.status);
+    if (!c.stopped_by_us) worst = std::max(worst, c.status);
+  }
+  return worst != 0 ? worst : worst_any;
+}
