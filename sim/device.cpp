@@ -122,6 +122,7 @@ Status Device::init() {
 
 namespace {
 constexpr uint32_t kCfgSize = 256;
+constexpr uint16_t kPciCommandBusMaster = 0x0004;
 constexpr uint8_t kMsixCapOffset = 0x40;
 }  // namespace
 
@@ -513,10 +514,35 @@ Status Device::set_msix(uint32_t vector, int fd) {
 
 // ---- §7 queues ---------------------------------------------------------------------
 
+// Called with q.mu held on an enabled queue (its rings are mapped: dma_unmap
+// disables a queue under q.mu before it removes ring memory). Completes every
+// published descriptor the engine has not taken with ABORTED, as far as the
+// CQ has room, so a driver's waiters fail instead of timing out.
+void Device::abort_pending(Queue& q) {
+  abi::QueueShadow* sh = q.shadow;
+  if (sh == nullptr) return;
+  uint32_t tail = sh->sq_tail.value.load(std::memory_order_acquire);
+  if (!q.sq.valid_producer(tail, q.sq_head)) return;
+  while (q.sq_head != tail) {
+    uint32_t cq_head = sh->cq_head.value.load(std::memory_order_acquire);
+    if (q.cq.used(q.cq_tail, cq_head) >= q.cq.size()) break;
+    uint64_t user_data;
+    std::memcpy(&user_data, &q.sq.at(q.sq_head).user_data, sizeof user_data);
+    abi::CqEntry& c = q.cq.at(q.cq_tail);
+    c.user_data = user_data;
+    c.sq_index = q.sq_head++;
+    c.status = static_cast<uint16_t>(CqStatus::ABORTED);
+    std::atomic_ref<uint16_t>(c.info).store(q.cq.phase(q.cq_tail), std::memory_order_release);
+    ++q.cq_tail;
+  }
+  sh->sq_head.value.store(q.sq_head, std::memory_order_release);
+}
+
 void Device::queue_enable(uint32_t qi, bool on) {
   Queue& q = *_queues[qi];
   std::lock_guard lk(q.mu);
   if (!on) {
+    if (q.enabled) abort_pending(q);
     q.enabled = false;
     q.shadow = nullptr;
     return;
@@ -548,11 +574,15 @@ void Device::queue_enable(uint32_t qi, bool on) {
       }
     }
   }
+  auto* shadow = reinterpret_cast<abi::QueueShadow*>(shr.ptr);
+  if (shadow->sq_tail.value.load(std::memory_order_acquire) != 0 ||
+      shadow->cq_head.value.load(std::memory_order_acquire) != 0)
+    return refuse(abi::QueueError::dirty_shadow);
   q.ring_bus_lo = lo == UINT64_MAX ? 0 : lo;
   q.ring_bus_hi = hi;
   q.sq = abi::Ring<abi::SqEntry>(reinterpret_cast<abi::SqEntry*>(sq.ptr), q.size_log2);
   q.cq = abi::Ring<abi::CqEntry>(reinterpret_cast<abi::CqEntry*>(cq.ptr), q.size_log2);
-  q.shadow = reinterpret_cast<abi::QueueShadow*>(shr.ptr);
+  q.shadow = shadow;
   q.sq_head = 0;
   q.cq_tail = 0;
   q.shadow->sq_head.value.store(0, std::memory_order_release);
@@ -567,6 +597,7 @@ void Device::queue_enable(uint32_t qi, bool on) {
 void Device::stop_queues() {
   for (auto& q : _queues) {
     std::lock_guard lk(q->mu);
+    if (q->enabled) abort_pending(*q);
     q->enabled = false;
     q->shadow = nullptr;
     q->sq_base = q->cq_base = q->shadow_base = 0;
@@ -723,12 +754,14 @@ void Device::engine_loop(Queue& q) {
     }
     uint32_t irq_vector = abi::kNoVector;
     bool idle = false;
+    bool cq_full = false;
     {
       std::unique_lock ql(q.mu);
       bool dev_on;
       {
         std::lock_guard rl(_reg_mu);
-        dev_on = (_control & abi::ctrl::ENABLE) != 0;
+        // Engines run only while the device is enabled and may master the bus.
+        dev_on = (_control & abi::ctrl::ENABLE) != 0 && (_pci_command & kPciCommandBusMaster) != 0;
       }
       if (!q.enabled || q.shadow == nullptr || !dev_on) {
         ql.unlock();
@@ -739,20 +772,28 @@ void Device::engine_loop(Queue& q) {
       std::shared_lock al(_att_mu);
       abi::QueueShadow* sh = q.shadow;
       uint32_t tail = sh->sq_tail.value.load(std::memory_order_acquire);
-      if (!q.sq.valid_producer(tail, q.sq_head)) {
-        // The driver published an impossible tail: stop the queue, log it.
+      uint32_t cq_head0 = sh->cq_head.value.load(std::memory_order_acquire);
+      const bool bad_tail = !q.sq.valid_producer(tail, q.sq_head);
+      if (bad_tail || q.cq.used(q.cq_tail, cq_head0) > q.cq.size()) {
+        // The driver published an impossible index: stop the queue and say
+        // why in Q_STATUS (and ERR_LOG: index = sq_head, addr = the bad value).
         q.enabled = false;
         q.shadow = nullptr;
+        q.error = static_cast<uint8_t>(bad_tail ? abi::QueueError::bad_tail : abi::QueueError::bad_cq_head);
+        uint32_t head = q.sq_head;
         al.unlock();
         dl.unlock();
         ql.unlock();
-        log_error(q.id, tail, CqStatus::BAD_FIELD, 0);
+        log_error(q.id, head, CqStatus::BAD_FIELD, bad_tail ? tail : cq_head0);
         continue;
       }
       uint32_t done = 0;
       while (done < kBatch && q.sq_head != tail) {
         uint32_t cq_head = sh->cq_head.value.load(std::memory_order_acquire);
-        if (q.cq.used(q.cq_tail, cq_head) >= q.cq.size()) break;  // CQ full: wait for the driver
+        if (q.cq.used(q.cq_tail, cq_head) >= q.cq.size()) {  // CQ full: wait for the driver
+          cq_full = true;
+          break;
+        }
         // Copy the shared descriptor once; validate and use only the copy.
         abi::SqEntry d;
         std::memcpy(&d, &q.sq.at(q.sq_head), sizeof d);
@@ -805,7 +846,12 @@ void Device::engine_loop(Queue& q) {
         (void)n;
       }
     }
-    if (!idle) cpu_relax();
+    if (cq_full) {
+      // The driver consumes completions without a doorbell: nap briefly.
+      sleep_on_doorbell(1);
+    } else if (!idle) {
+      cpu_relax();
+    }
   }
 }
 

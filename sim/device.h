@@ -131,6 +131,7 @@ class Device {
   uint8_t* host_ptr(uint64_t bus_addr, uint64_t len, uint32_t need_prot) const;  // holds _dma_mu shared
   void att_command(uint32_t cmd);
   void queue_enable(uint32_t q, bool on);
+  void abort_pending(Queue& q);
   void engine_loop(Queue& q);
   abi::CqStatus execute(Queue& q, const abi::SqEntry& d, uint64_t* fault_addr);
   void log_error(uint32_t q, uint32_t sq_index, abi::CqStatus st, uint64_t addr);

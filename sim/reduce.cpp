@@ -82,7 +82,10 @@ namespace {
 template <typename T>
 T apply(abi::RedOp op, T a, T b) {
   if constexpr (std::is_integral_v<T>) {
-    using U = std::make_unsigned_t<T>;
+    // Wrap-around arithmetic in an unsigned type at least as wide as
+    // unsigned int: narrower types would promote to (signed) int, where
+    // 65535 * 65535 overflows.
+    using U = std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, std::make_unsigned_t<T>>;
     switch (op) {
       case abi::RedOp::SUM: return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
       case abi::RedOp::PROD: return static_cast<T>(static_cast<U>(a) * static_cast<U>(b));

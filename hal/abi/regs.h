@@ -5,9 +5,11 @@
 // compile exactly this file; nothing here is declared twice. The prose spec
 // is docs/device-abi.md; section numbers below refer to it.
 //
-// All registers are little-endian. Access widths: 32-bit registers must be
-// accessed with 32-bit accesses, 64-bit registers with one 64-bit access (or
-// low dword then high dword; the device latches on the high-dword write).
+// All registers are little-endian. Access widths: 32-bit registers take
+// 32-bit accesses; 64-bit registers take one 64-bit access. The RW 64-bit
+// configuration registers (ATT_*, Q_*_BASE) may also be written as two 32-bit
+// halves in any order: they take effect only on ATT_CMD / Q_CTRL.ENABLE. A
+// 64-bit counter read as two halves may tear; read it with one access.
 #pragma once
 
 #include <cstdint>
@@ -201,6 +203,9 @@ enum class QueueError : uint8_t {
   shadow_unmapped = 4,// shadow block not inside one read/write ATT entry
   bad_vector = 5,     // Q_MSIX >= NUM_MSIX and != kNoVector
   misaligned = 6,     // a base not 64-byte aligned
+  dirty_shadow = 7,   // shadow sq_tail / cq_head not 0 at enable (driver must zero it)
+  bad_tail = 8,       // while running: sq_tail more than one ring ahead of sq_head
+  bad_cq_head = 9,    // while running: cq_head ahead of the device's CQ tail
 };
 
 }  // namespace hcomm::hal::abi

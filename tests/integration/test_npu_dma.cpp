@@ -175,7 +175,7 @@ TEST_F(NpuDma, FillWritesPatternIncludingPartialTail) {
 template <typename T>
 T ref_op(RedOp op, T a, T b) {
   if constexpr (std::is_integral_v<T>) {
-    using U = std::make_unsigned_t<T>;
+    using U = std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, std::make_unsigned_t<T>>;
     switch (op) {
       case RedOp::SUM: return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
       case RedOp::PROD: return static_cast<T>(static_cast<U>(a) * static_cast<U>(b));
@@ -560,8 +560,9 @@ TEST_F(NpuDma, QueueEnableRefusesBadConfig) {
     return static_cast<abi::QueueError>((st >> abi::qstatus::ERROR_SHIFT) & 0xff);
   };
   uint64_t io;
-  host(65536, &io);
+  uint8_t* mem = host(65536, &io);
   const uint64_t sq = io, cq = io + 16384, sh = io + 32768;
+  auto* shadow = reinterpret_cast<abi::QueueShadow*>(mem + 32768);
   using QE = abi::QueueError;
   EXPECT_EQ(enable(sq, cq, sh, 0, abi::kNoVector), QE::bad_size);
   EXPECT_EQ(enable(sq, cq, sh, 30, abi::kNoVector), QE::bad_size);
@@ -570,8 +571,65 @@ TEST_F(NpuDma, QueueEnableRefusesBadConfig) {
   EXPECT_EQ(enable(sq, 0x40000, sh, 4, abi::kNoVector), QE::cq_unmapped);
   EXPECT_EQ(enable(sq, cq, io + 65536 - 64, 4, abi::kNoVector), QE::shadow_unmapped);
   EXPECT_EQ(enable(sq, cq, sh, 4, 1000), QE::bad_vector);
+  shadow->sq_tail.value.store(5);
+  EXPECT_EQ(enable(sq, cq, sh, 4, abi::kNoVector), QE::dirty_shadow);
+  shadow->sq_tail.value.store(0);
   EXPECT_EQ(enable(sq, cq, sh, 4, abi::kNoVector), QE::none);
+  // A tail more than one ring ahead stops the queue and says why.
+  shadow->sq_tail.value.store(1000, std::memory_order_seq_cst);
+  (void)l.write32(abi::reg::doorbell(qi), 1000);
+  Deadline dl = Deadline::after_ms(5000);
+  uint32_t st = 0;
+  do {
+    ASSERT_TRUE(l.read32(abi::reg::queue(qi, abi::reg::Q_STATUS), &st));
+    ASSERT_FALSE(dl.expired()) << "bad tail not detected";
+  } while (st & abi::qstatus::ENABLED);
+  EXPECT_EQ((st >> abi::qstatus::ERROR_SHIFT) & 0xff, static_cast<uint32_t>(QE::bad_tail));
+  npu::ErrorLog el;
+  ASSERT_TRUE(dev_->error_log(&el));
+  EXPECT_EQ(el.last_queue, qi);
+  EXPECT_EQ(el.last_addr, 1000u) << "ERR_LOG_ADDR holds the bad tail";
   EXPECT_TRUE(l.write32(abi::reg::queue(qi, abi::reg::Q_CTRL), 0));
+}
+
+TEST_F(NpuDma, DisablingAQueueAbortsWhatTheEngineHasNotTaken) {
+  uint64_t ia, ib;
+  host(4096, &ia);
+  host(4096, &ib);
+  ASSERT_EQ(sim_->control("stall 0 2000"), "ok");
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));  // the engine sees the stall first
+  for (uint64_t i = 0; i < 5; ++i) ASSERT_EQ(q_->copy(ia, ib, 64, 100 + i), Code::ok);
+  q_->submit();
+  ASSERT_TRUE(dev_->link().write32(abi::reg::queue(q_->id(), abi::reg::Q_CTRL), 0));
+  npu::Completion c[8];
+  uint32_t n = 0;
+  Deadline dl = Deadline::after_ms(1000);
+  while (n < 5 && !dl.expired()) n += q_->poll({c + n, 8 - n});
+  ASSERT_EQ(n, 5u) << "every pending descriptor completes when its queue is disabled";
+  for (uint32_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(c[i].status, CqStatus::ABORTED);
+    EXPECT_EQ(c[i].user_data, 100 + i);
+  }
+  ASSERT_EQ(sim_->control("clear 0"), "ok");
+}
+
+TEST_F(NpuDma, NoDmaWithoutBusMastering) {
+  uint64_t ia, ib;
+  uint8_t* a = host(4096, &ia);
+  uint8_t* b = host(4096, &ib);
+  std::memset(a, 5, 4096);
+  const uint16_t off = 0x0002, on = 0x0006;
+  ASSERT_TRUE(dev_->link().write(7, 0x04, &off, 2));
+  ASSERT_EQ(q_->copy(ia, ib, 4096, 1), Code::ok);
+  q_->submit();
+  EXPECT_EQ(q_->wait(Deadline::after_ms(100)), Code::timeout) << "the engine moved data with bus mastering off";
+  EXPECT_EQ(b[0], 0);
+  ASSERT_TRUE(dev_->link().write(7, 0x04, &on, 2));
+  ASSERT_EQ(q_->wait(Deadline::after_ms(5000)), Code::ok);
+  npu::Completion c;
+  ASSERT_EQ(q_->poll({&c, 1}), 1u);
+  EXPECT_EQ(c.status, CqStatus::OK);
+  EXPECT_EQ(b[4095], 5);
 }
 
 TEST_F(NpuDma, ClientKilledMidOperationLeavesTheSimHealthy) {

@@ -83,6 +83,15 @@ TEST(Reduce, IntegersWrapAndMinMaxAreSigned) {
   EXPECT_EQ(p[0], -2);
 }
 
+TEST(Reduce, NarrowProductsWrapWithoutSignedOverflow) {
+  uint16_t a[1] = {65535}, b[1] = {65535};
+  reduce(abi::DType::UINT16, abi::RedOp::PROD, reinterpret_cast<uint8_t*>(a), reinterpret_cast<uint8_t*>(b), 1);
+  EXPECT_EQ(a[0], 1u);  // 65535^2 mod 2^16
+  int16_t c[1] = {-32768}, d[1] = {-32768};
+  reduce(abi::DType::INT16, abi::RedOp::PROD, reinterpret_cast<uint8_t*>(c), reinterpret_cast<uint8_t*>(d), 1);
+  EXPECT_EQ(c[0], 0);
+}
+
 TEST(Reduce, UnalignedBuffersAndFloatNanHandling) {
   alignas(8) uint8_t dst[1 + 8], src[3 + 8];
   double x = 1.5, y = std::numeric_limits<double>::quiet_NaN();

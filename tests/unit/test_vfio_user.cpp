@@ -439,6 +439,8 @@ TEST_F(VfioUserTest, DoorbellIoeventfdAndMsixInterrupt) {
   ASSERT_TRUE(l->write32(reg::queue(0, reg::Q_SIZE_LOG2), 4).is_ok());
   ASSERT_TRUE(l->write32(reg::queue(0, reg::Q_MSIX), 0).is_ok());
   ASSERT_TRUE(l->write32(reg::CONTROL, abi::ctrl::ENABLE).is_ok());
+  const uint16_t cmd = 0x0006;  // memory space + bus master: engines DMA only with bus mastering on
+  ASSERT_TRUE(l->write(vu::kRegionConfig, 0x04, &cmd, sizeof cmd).is_ok());
   ASSERT_TRUE(l->write32(reg::queue(0, reg::Q_CTRL), abi::qctrl::ENABLE).is_ok());
   uint32_t qs = 0;
   ASSERT_TRUE(l->read32(reg::queue(0, reg::Q_STATUS), &qs).is_ok());
