@@ -3,7 +3,7 @@
 set -euo pipefail
 pkgs=(build-essential meson ninja-build pkg-config
       libnuma-dev libgtest-dev libgmock-dev libbenchmark-dev
-      libibverbs-dev libdpdk-dev)
+      libibverbs-dev libdpdk-dev openmpi-bin libopenmpi-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,381 @@
+// Integration: Bootstrap and connect_mesh across real processes. Every test
+// forks its ranks from the single-threaded test process (before any thread
+// exists), each child reports one line through a pipe and exits; the parent
+// bounds everything and kills what is left.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "api/bootstrap.h"
+#include "api/mesh.h"
+
+namespace hcomm::api {
+namespace {
+
+using Ms = std::chrono::milliseconds;
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+std::string unique_job(const char* tag) {
+  static int n = 0;
+  return std::string("test-") + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(n++);
+}
+
+struct RankOut {
+  int status = -1;   // shell-style: exit code, or 128+signo
+  std::string text;  // what the rank reported
+};
+
+// Runs body(rank) in one child per entry of `ranks`; a child reports
+// body's return value and exits 0 when it starts with "ok".
+std::map<int, RankOut> run_ranks(const std::vector<int>& ranks, const std::function<std::string(int)>& body,
+                                 int limit_ms = 30000) {
+  std::map<int, RankOut> res;
+  std::map<int, std::pair<pid_t, int>> kids;
+  for (int r : ranks) {
+    int p[2];
+    EXPECT_EQ(::pipe(p), 0);
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      ::close(p[0]);
+      std::string t = body(r);
+      ssize_t w = ::write(p[1], t.data(), t.size());
+      (void)w;
+      ::_exit(t.rfind("ok", 0) == 0 ? 0 : 1);
+    }
+    ::close(p[1]);
+    kids[r] = {pid, p[0]};
+  }
+  Deadline dl = Deadline::after_ms(limit_ms);
+  for (auto& [r, k] : kids) {
+    std::string text;
+    char buf[4096];
+    for (;;) {
+      pollfd pf{k.second, POLLIN, 0};
+      if (::poll(&pf, 1, dl.remaining_ms()) <= 0) break;
+      ssize_t n = ::read(k.second, buf, sizeof buf);
+      if (n <= 0) break;
+      text.append(buf, static_cast<size_t>(n));
+    }
+    ::close(k.second);
+    int st = 0;
+    if (dl.expired()) ::kill(k.first, SIGKILL);
+    ::waitpid(k.first, &st, 0);
+    res[r] = {WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st), text};
+  }
+  return res;
+}
+
+LaunchInfo tcp_launch(int rank, int size, int port, const std::string& job) {
+  LaunchInfo li;
+  li.rank = rank;
+  li.size = size;
+  li.source = "test";
+  li.job_id = job;
+  li.master_addr = "127.0.0.1";
+  li.master_port = port;
+  return li;
+}
+
+std::string describe(const Status& st, long ms) { return st.to_string() + " after " + std::to_string(ms) + " ms"; }
+
+long since(Clock::time_point t0) { return std::chrono::duration_cast<Ms>(Clock::now() - t0).count(); }
+
+std::vector<int> all_ranks(int n) {
+  std::vector<int> v;
+  for (int i = 0; i < n; ++i) v.push_back(i);
+  return v;
+}
+
+void expect_all_ok(const std::map<int, RankOut>& res, size_t n) {
+  ASSERT_EQ(res.size(), n);
+  for (auto& [r, o] : res) EXPECT_EQ(o.status, 0) << "rank " << r << ": " << o.text;
+}
+
+// The blob rank r contributes in round k: lengths from 0 to kMaxBlob.
+std::string blob(int r, int k) {
+  size_t len = k == 0 ? 0 : k == 1 ? static_cast<size_t>(r + 1) : k == 2 ? Bootstrap::kMaxBlob : 1000u * (r + 1u);
+  std::string s(len, static_cast<char>('a' + r));
+  if (!s.empty()) s.back() = static_cast<char>('0' + k);
+  return s;
+}
+
+std::string allgather_rounds(const LaunchInfo& li) {
+  std::unique_ptr<Bootstrap> b;
+  Status st = Bootstrap::create(li, 20000, &b);
+  if (!st) return "create: " + st.to_string();
+  if (b->rank() != li.rank || b->size() != li.size) return "rank/size mismatch";
+  Deadline dl = Deadline::after_ms(20000);
+  for (int k = 0; k < 4; ++k) {
+    std::vector<std::string> all;
+    st = b->allgather(blob(li.rank, k), &all, dl);
+    if (!st) return "allgather: " + st.to_string();
+    if (all.size() != static_cast<size_t>(li.size)) return "allgather: wrong count";
+    for (int r = 0; r < li.size; ++r)
+      if (all[static_cast<size_t>(r)] != blob(r, k))
+        return "round " + std::to_string(k) + ": slot " + std::to_string(r) + " is wrong";
+    st = b->barrier(dl);
+    if (!st) return "barrier: " + st.to_string();
+  }
+  return "ok";
+}
+
+class BootstrapN : public ::testing::TestWithParam<int> {};
+
+TEST_P(BootstrapN, AllgatherAndBarrierOverTcp) {
+  int n = GetParam(), port = free_port();
+  std::string job = unique_job("tcp");
+  expect_all_ok(run_ranks(all_ranks(n), [&](int r) { return allgather_rounds(tcp_launch(r, n, port, job)); }),
+                static_cast<size_t>(n));
+}
+
+// mpirun without MASTER_ADDR: the port travels through a file under /tmp.
+TEST_P(BootstrapN, AllgatherOverThePortFile) {
+  int n = GetParam();
+  std::string job = unique_job("file");
+  expect_all_ok(run_ranks(all_ranks(n),
+                          [&](int r) {
+                            LaunchInfo li = tcp_launch(r, n, 0, job);
+                            li.master_addr.clear();
+                            return allgather_rounds(li);
+                          }),
+                static_cast<size_t>(n));
+  std::string pf = "/tmp/hcomm-" + std::to_string(::getuid()) + "/job-" + job + ".port";
+  EXPECT_FALSE(std::filesystem::exists(pf)) << "rank 0 removes the port file once everyone joined";
+}
+
+TEST_P(BootstrapN, MeshPassesDescriptors) {
+  int n = GetParam(), port = free_port();
+  std::string job = unique_job("mesh");
+  auto body = [&](int me) -> std::string {
+    std::unique_ptr<Bootstrap> b;
+    Status st = Bootstrap::create(tcp_launch(me, n, port, job), 20000, &b);
+    if (!st) return "create: " + st.to_string();
+    Deadline dl = Deadline::after_ms(20000);
+    std::vector<UniqueFd> peers;
+    st = connect_mesh(*b, dl, &peers);
+    if (!st) return "connect_mesh: " + st.to_string();
+    if (peers.size() != static_cast<size_t>(n) || peers[static_cast<size_t>(me)].valid()) return "bad peers vector";
+    std::string sock = "/tmp/hcomm-" + std::to_string(::getuid()) + "/mesh-" + job + "/r" + std::to_string(me) + ".sock";
+    if (std::filesystem::exists(sock)) return "listening socket not removed: " + sock;
+    // To every peer: a pipe's read end, with "me->p" already written into it.
+    for (int p = 0; p < n; ++p) {
+      if (p == me) continue;
+      int fds[2];
+      if (::pipe(fds) != 0) return "pipe";
+      UniqueFd rd(fds[0]), wr(fds[1]);
+      std::string payload = std::to_string(me) + "->" + std::to_string(p);
+      if (::write(wr.get(), payload.data(), payload.size()) != static_cast<ssize_t>(payload.size())) return "write";
+      std::string msg = "from " + std::to_string(me);
+      const int pass[] = {rd.get()};
+      st = send_msg(peers[static_cast<size_t>(p)].get(), msg.data(), msg.size(), pass, dl, p);
+      if (!st) return "send_msg: " + st.to_string();
+    }
+    for (int p = 0; p < n; ++p) {
+      if (p == me) continue;
+      std::vector<uint8_t> m;
+      std::vector<UniqueFd> got;
+      st = recv_msg(peers[static_cast<size_t>(p)].get(), &m, &got, dl, p);
+      if (!st) return "recv_msg: " + st.to_string();
+      if (std::string(m.begin(), m.end()) != "from " + std::to_string(p)) return "wrong message from a peer";
+      if (got.size() != 1) return "expected one descriptor";
+      char buf[32] = {};
+      ssize_t k = ::read(got[0].get(), buf, sizeof buf - 1);
+      if (std::string(buf, k > 0 ? static_cast<size_t>(k) : 0) != std::to_string(p) + "->" + std::to_string(me))
+        return "descriptor from rank " + std::to_string(p) + " reads \"" + buf + "\"";
+    }
+    st = b->barrier(dl);
+    return st ? "ok" : "barrier: " + st.to_string();
+  };
+  expect_all_ok(run_ranks(all_ranks(n), body), static_cast<size_t>(n));
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, BootstrapN, ::testing::Values(2, 4));
+
+// Rank 2 of 3 never starts: ranks 0 and 1 fail with timeout naming it, within the deadline.
+TEST(BootstrapFailure, MissingRankTimesOutNamingIt) {
+  int port = free_port();
+  std::string job = unique_job("missing");
+  auto res = run_ranks({0, 1}, [&](int r) -> std::string {
+    auto t0 = Clock::now();
+    std::unique_ptr<Bootstrap> b;
+    Status st = Bootstrap::create(tcp_launch(r, 3, port, job), 1500, &b);
+    return std::to_string(static_cast<int>(st.code())) + "|" + std::to_string(since(t0)) + "|" + st.message();
+  });
+  for (int r : {0, 1}) {
+    const std::string& t = res[r].text;
+    SCOPED_TRACE("rank " + std::to_string(r) + ": " + t);
+    EXPECT_EQ(t.substr(0, t.find('|')), std::to_string(static_cast<int>(Code::timeout)));
+    long ms = std::stol(t.substr(t.find('|') + 1));
+    EXPECT_GE(ms, 1000);
+    EXPECT_LE(ms, 1500 + 300);
+    EXPECT_NE(t.find("rank 2 of 3 did not join"), std::string::npos);
+  }
+}
+
+TEST(BootstrapFailure, MissingRootTimesOut) {
+  int port = free_port();
+  std::string job = unique_job("noroot");
+  auto res = run_ranks({1}, [&](int r) -> std::string {
+    auto t0 = Clock::now();
+    std::unique_ptr<Bootstrap> b;
+    Status st = Bootstrap::create(tcp_launch(r, 2, port, job), 1000, &b);
+    return describe(st, since(t0));
+  });
+  const std::string& t = res[1].text;
+  EXPECT_NE(t.find("timeout"), std::string::npos) << t;
+  EXPECT_NE(t.find("could not reach rank 0 at 127.0.0.1:" + std::to_string(port)), std::string::npos) << t;
+  long ms = std::stol(t.substr(t.rfind("after ") + 6));
+  EXPECT_LE(ms, 1300) << t;
+}
+
+TEST(BootstrapFailure, MissingPortFileTimesOut) {
+  std::string job = unique_job("nofile");
+  auto res = run_ranks({1}, [&](int r) -> std::string {
+    std::unique_ptr<Bootstrap> b;
+    LaunchInfo li = tcp_launch(r, 2, 0, job);
+    li.master_addr.clear();
+    return Bootstrap::create(li, 500, &b).to_string();
+  });
+  EXPECT_NE(res[1].text.find("timeout: rank 1: rank 0 did not publish its port"), std::string::npos) << res[1].text;
+}
+
+// Rank 2 leaves right after joining: the collective fails on the others,
+// promptly, with peer_failure naming rank 2; later calls keep failing.
+TEST(BootstrapFailure, RankLeavingFailsTheCollectiveOnEveryone) {
+  int port = free_port();
+  std::string job = unique_job("leave");
+  auto res = run_ranks({0, 1, 2}, [&](int r) -> std::string {
+    std::unique_ptr<Bootstrap> b;
+    Status st = Bootstrap::create(tcp_launch(r, 3, port, job), 20000, &b);
+    if (!st) return "create: " + st.to_string();
+    if (r == 2) return "ok left";
+    auto t0 = Clock::now();
+    std::vector<std::string> all;
+    st = b->allgather("x", &all, Deadline::after_ms(20000));
+    long ms = since(t0);
+    Status again = b->barrier(Deadline::after_ms(20000));
+    if (again.code() != st.code()) return "a later call did not repeat the failure: " + again.to_string();
+    return describe(st, ms);
+  });
+  EXPECT_EQ(res[2].status, 0) << res[2].text;
+  for (int r : {0, 1}) {
+    const std::string& t = res[r].text;
+    EXPECT_EQ(t.rfind("peer_failure", 0), 0u) << "rank " << r << ": " << t;
+    EXPECT_NE(t.find("rank 2"), std::string::npos) << t;
+    EXPECT_LE(std::stol(t.substr(t.rfind("after ") + 6)), 3000) << t;
+  }
+}
+
+TEST(BootstrapFailure, RootLeavingFailsTheCollective) {
+  int port = free_port();
+  std::string job = unique_job("rootleave");
+  auto res = run_ranks({0, 1}, [&](int r) -> std::string {
+    std::unique_ptr<Bootstrap> b;
+    Status st = Bootstrap::create(tcp_launch(r, 2, port, job), 20000, &b);
+    if (!st) return "create: " + st.to_string();
+    if (r == 0) return "ok left";
+    std::vector<std::string> all;
+    return b->allgather("x", &all, Deadline::after_ms(20000)).to_string();
+  });
+  EXPECT_EQ(res[1].text.rfind("peer_failure", 0), 0u) << res[1].text;
+  EXPECT_NE(res[1].text.find("rank 0"), std::string::npos) << res[1].text;
+}
+
+// A rank killed after the mesh exists: the survivor's recv_msg reports it promptly.
+TEST(BootstrapFailure, KilledPeerIsPeerFailureOnTheMesh) {
+  int port = free_port();
+  std::string job = unique_job("kill");
+  auto res = run_ranks({0, 1}, [&](int r) -> std::string {
+    std::unique_ptr<Bootstrap> b;
+    Status st = Bootstrap::create(tcp_launch(r, 2, port, job), 20000, &b);
+    if (!st) return "create: " + st.to_string();
+    std::vector<UniqueFd> peers;
+    st = connect_mesh(*b, Deadline::after_ms(20000), &peers);
+    if (!st) return "connect_mesh: " + st.to_string();
+    if (r == 1) ::raise(SIGKILL);
+    auto t0 = Clock::now();
+    std::vector<uint8_t> m;
+    std::vector<UniqueFd> fds;
+    st = recv_msg(peers[1].get(), &m, &fds, Deadline::after_ms(20000), 1);
+    return describe(st, since(t0));
+  });
+  EXPECT_EQ(res[1].status, 128 + SIGKILL);
+  const std::string& t = res[0].text;
+  EXPECT_EQ(t.rfind("peer_failure", 0), 0u) << t;
+  EXPECT_NE(t.find("rank 1"), std::string::npos) << t;
+  EXPECT_LE(std::stol(t.substr(t.rfind("after ") + 6)), 2000) << t;
+}
+
+// A fake rank 0 answers HELLO with a malformed frame: protocol_error, not a hang or a crash.
+class BadRoot : public ::testing::TestWithParam<std::vector<uint8_t>> {};
+
+TEST_P(BadRoot, IsProtocolError) {
+  int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  ASSERT_EQ(::bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(lfd, 4), 0);
+  ASSERT_EQ(::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  int port = ntohs(a.sin_port);
+  std::string job = unique_job("badroot");
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(lfd);
+    std::unique_ptr<Bootstrap> b;
+    Status st = Bootstrap::create(tcp_launch(1, 2, port, job), 5000, &b);
+    std::string t = st.to_string();
+    std::fprintf(stderr, "child: %s\n", t.c_str());
+    ::_exit(st.code() == Code::protocol_error ? 0 : 1);
+  }
+  pollfd pf{lfd, POLLIN, 0};
+  ASSERT_EQ(::poll(&pf, 1, 5000), 1);
+  int c = ::accept(lfd, nullptr, nullptr);
+  ASSERT_GE(c, 0);
+  char hello[16];
+  ASSERT_EQ(::recv(c, hello, sizeof hello, MSG_WAITALL), 16);
+  const auto& reply = GetParam();
+  ASSERT_EQ(::send(c, reply.data(), reply.size(), MSG_NOSIGNAL), static_cast<ssize_t>(reply.size()));
+  int st = 0;
+  ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "the child did not see protocol_error (its stderr says why)";
+  ::close(c);
+  ::close(lfd);
+}
+
+// 'HCBS' | version | type | seq | length, big-endian.
+INSTANTIATE_TEST_SUITE_P(
+    Frames, BadRoot,
+    ::testing::Values(std::vector<uint8_t>{'X', 'C', 'B', 'S', 0, 1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0},      // magic
+                      std::vector<uint8_t>{'H', 'C', 'B', 'S', 0, 9, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0},      // version
+                      std::vector<uint8_t>{'H', 'C', 'B', 'S', 0, 1, 0, 77, 0, 0, 0, 0, 0, 0, 0, 0},     // type
+                      std::vector<uint8_t>{'H', 'C', 'B', 'S', 0, 1, 0, 2, 0, 0, 0, 0, 0x40, 0, 0, 0},   // length
+                      std::vector<uint8_t>{'H', 'C', 'B', 'S', 0, 1, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0}));  // RESULT, not WELCOME
+
+}  // namespace
+}  // namespace hcomm::api

@@ -1,0 +1,262 @@
+// Integration: the hcomm-run launcher (prefixing, exit statuses, grace,
+// --timeout, signal cleanup, --sim) and bootstrap under real launchers
+// (hcomm-run and, where installed, Open MPI's mpirun).
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string env_or(const char* k, const char* dflt) {
+  const char* v = std::getenv(k);
+  return v != nullptr ? v : dflt;
+}
+std::string run_bin() { return env_or("HCOMM_RUN_BIN", "hcomm-run"); }
+std::string check_bin() { return env_or("HCOMM_BOOT_CHECK_BIN", "boot_check"); }
+
+struct Result {
+  int status = -1;
+  std::string out, err;
+  long ms = 0;
+};
+
+// Variables that would make a child think it is already a rank.
+const char* kLaunchVars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                             "HCOMM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"};
+
+pid_t start(const std::vector<std::string>& args, int* out_fd, int* err_fd) {
+  int po[2], pe[2];
+  if (::pipe(po) != 0 || ::pipe(pe) != 0) return -1;
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    for (const char* v : kLaunchVars) ::unsetenv(v);
+    ::dup2(po[1], 1);
+    ::dup2(pe[1], 2);
+    ::close(po[0]);
+    ::close(pe[0]);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execvp(argv[0], argv.data());
+    ::_exit(127);
+  }
+  ::close(po[1]);
+  ::close(pe[1]);
+  *out_fd = po[0];
+  *err_fd = pe[0];
+  return pid;
+}
+
+// Reads both pipes until EOF; kills the child after limit_ms.
+Result finish(pid_t pid, int ofd, int efd, int limit_ms, const std::function<void(const std::string&)>& on_out = {}) {
+  Result r;
+  auto t0 = Clock::now();
+  auto until = t0 + std::chrono::milliseconds(limit_ms);
+  int fds[2] = {ofd, efd};
+  std::string* bufs[2] = {&r.out, &r.err};
+  while (fds[0] >= 0 || fds[1] >= 0) {
+    pollfd p[2] = {{fds[0], POLLIN, 0}, {fds[1], POLLIN, 0}};
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()).count();
+    if (left <= 0 || ::poll(p, 2, static_cast<int>(left)) <= 0) {
+      ::kill(pid, SIGKILL);
+      break;
+    }
+    for (int i = 0; i < 2; ++i) {
+      if (fds[i] < 0 || p[i].revents == 0) continue;
+      char buf[8192];
+      ssize_t n = ::read(fds[i], buf, sizeof buf);
+      if (n <= 0) {
+        ::close(fds[i]);
+        fds[i] = -1;
+      } else {
+        bufs[i]->append(buf, static_cast<size_t>(n));
+        if (i == 0 && on_out) on_out(r.out);
+      }
+    }
+  }
+  for (int f : fds)
+    if (f >= 0) ::close(f);
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  r.ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
+  return r;
+}
+
+Result run(const std::vector<std::string>& args, int limit_ms = 60000) {
+  int o, e;
+  pid_t pid = start(args, &o, &e);
+  EXPECT_GT(pid, 0);
+  return finish(pid, o, e, limit_ms);
+}
+
+std::vector<std::string> lines(const std::string& s) {
+  std::vector<std::string> v;
+  std::istringstream in(s);
+  for (std::string l; std::getline(in, l);) v.push_back(l);
+  return v;
+}
+
+std::vector<std::string> sorted_lines(const std::string& s) {
+  auto v = lines(s);
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+TEST(HcommRun, PrefixesEveryLineByRank) {
+  Result r = run({run_bin(), "-n", "3", "sh", "-c", "echo hi from $RANK"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(sorted_lines(r.out), (std::vector<std::string>{"[0] hi from 0", "[1] hi from 1", "[2] hi from 2"}));
+}
+
+TEST(HcommRun, KeepsStdoutAndStderrApart) {
+  Result r = run({run_bin(), "-n", "2", "--", "sh", "-c", "echo out $RANK; echo err $RANK >&2; printf tail"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(sorted_lines(r.out), (std::vector<std::string>{"[0] out 0", "[0] tail", "[1] out 1", "[1] tail"}));
+  EXPECT_EQ(sorted_lines(r.err), (std::vector<std::string>{"[0] err 0", "[1] err 1"}));
+}
+
+TEST(HcommRun, SetsTheLaunchEnvironment) {
+  Result r = run({run_bin(), "-n", "2", "sh", "-c",
+                  "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT $HCOMM_JOB_ID"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  auto v = sorted_lines(r.out);
+  ASSERT_EQ(v.size(), 2u) << r.out;
+  std::regex re(R"(\[(\d)\] (\d) 2 (\d) 2 127\.0\.0\.1 (\d+) (\S+))");
+  std::smatch m0, m1;
+  ASSERT_TRUE(std::regex_match(v[0], m0, re)) << v[0];
+  ASSERT_TRUE(std::regex_match(v[1], m1, re)) << v[1];
+  EXPECT_EQ(m0[1], "0");
+  EXPECT_EQ(m0[2], "0");
+  EXPECT_EQ(m0[3], "0");
+  EXPECT_EQ(m1[2], "1");
+  EXPECT_EQ(m0[4], m1[4]) << "one port for the job";
+  EXPECT_EQ(m0[5], m1[5]) << "one job id for the job";
+  Result again = run({run_bin(), "-n", "1", "sh", "-c", "echo $HCOMM_JOB_ID"});
+  EXPECT_NE(again.out, "[0] " + std::string(m0[5]) + "\n") << "job ids are unique per run";
+}
+
+TEST(HcommRun, LinesNeverMix) {
+  // 3 ranks x 2000 lines of 300 bytes race through the pipes.
+  std::string script =
+      "x=$(printf '%0300d' 0); i=0; while [ $i -lt 2000 ]; do echo \"r$RANK-$i-$x\"; i=$((i+1)); done";
+  Result r = run({run_bin(), "-n", "3", "sh", "-c", script});
+  ASSERT_EQ(r.status, 0) << r.err;
+  std::string zeros(300, '0');
+  std::regex re(R"(\[(\d)\] r(\d)-(\d+)-(0+))");
+  int next[3] = {0, 0, 0};
+  for (const auto& l : lines(r.out)) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_match(l, m, re)) << "mangled line: " << l.substr(0, 80);
+    ASSERT_EQ(m[1], m[2]);
+    ASSERT_EQ(m[4].length(), 300);
+    int rank = std::stoi(m[1]);
+    ASSERT_EQ(std::stoi(m[3]), next[rank]++) << "rank " << rank << "'s lines out of order";
+  }
+  for (int n : next) EXPECT_EQ(n, 2000);
+}
+
+TEST(HcommRun, ReturnsTheWorstExitStatus) {
+  EXPECT_EQ(run({run_bin(), "-n", "3", "sh", "-c", "exit $((RANK * 2))"}).status, 4);
+  EXPECT_EQ(run({run_bin(), "-n", "3", "sh", "-c", "[ $RANK = 1 ] && kill -9 $$; exit 0"}).status, 128 + SIGKILL);
+  EXPECT_EQ(run({run_bin(), "-n", "1", "/nonexistent/program"}).status, 127);
+}
+
+TEST(HcommRun, StopsTheOthersAfterTheGracePeriod) {
+  Result r = run({run_bin(), "-n", "3", "--grace", "0.5", "sh", "-c", "[ $RANK = 1 ] && exit 5; exec sleep 60"});
+  EXPECT_EQ(r.status, 5) << "the failing rank's status, not that of the ranks stopped for it; " << r.err;
+  EXPECT_LT(r.ms, 5000);
+  EXPECT_NE(r.err.find("rank 1 failed"), std::string::npos) << r.err;
+}
+
+TEST(HcommRun, TimeoutKillsEverythingWith124) {
+  Result r = run({run_bin(), "-n", "2", "--timeout", "1", "sh", "-c", "trap '' TERM; sleep 60"});
+  EXPECT_EQ(r.status, 124) << r.err;
+  EXPECT_GE(r.ms, 900);
+  EXPECT_LT(r.ms, 6000) << "SIGTERM ignored: SIGKILL follows 2 s later";
+}
+
+TEST(HcommRun, SigtermStopsEveryRank) {
+  int o, e;
+  pid_t pid = start({run_bin(), "-n", "2", "sh", "-c", "echo pid $$; exec sleep 60"}, &o, &e);
+  ASSERT_GT(pid, 0);
+  std::vector<pid_t> kids;
+  bool signalled = false;
+  Result r = finish(pid, o, e, 20000, [&](const std::string& out) {
+    if (signalled) return;
+    std::regex re(R"(\[\d\] pid (\d+))");
+    kids.clear();
+    for (const auto& l : lines(out)) {
+      std::smatch m;
+      if (std::regex_match(l, m, re)) kids.push_back(std::stoi(m[1]));
+    }
+    if (kids.size() == 2) {
+      signalled = true;
+      ::kill(pid, SIGTERM);
+    }
+  });
+  ASSERT_TRUE(signalled) << r.out << r.err;
+  EXPECT_EQ(r.status, 128 + SIGTERM) << r.err;
+  EXPECT_LT(r.ms, 10000);
+  for (pid_t k : kids) EXPECT_NE(::kill(k, 0), 0) << "rank process " << k << " outlived hcomm-run";
+}
+
+TEST(HcommRun, StartsTheSimulatorWhenAsked) {
+  Result r = run({run_bin(), "--sim", "-n", "3", "sh", "-c", "[ -S $HCOMM_SIM_DIR/npu2.sock ] && echo found"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(sorted_lines(r.out), (std::vector<std::string>{"[0] found", "[1] found", "[2] found"})) << r.err;
+  // ... and stops it: its directory is gone.
+  Result d = run({run_bin(), "--sim", "--sim-devices", "1", "-n", "1", "sh", "-c", "echo $HCOMM_SIM_DIR"});
+  ASSERT_EQ(d.status, 0) << d.err;
+  ASSERT_EQ(d.out.rfind("[0] /", 0), 0u) << d.out;
+  std::string dir = d.out.substr(4, d.out.size() - 5);
+  EXPECT_NE(::access(dir.c_str(), F_OK), 0) << dir << " survived";
+}
+
+TEST(HcommRun, UsageErrorsAreStatus2) {
+  EXPECT_EQ(run({run_bin(), "sh"}).status, 2);
+  EXPECT_EQ(run({run_bin(), "-n", "0", "sh"}).status, 2);
+  EXPECT_EQ(run({run_bin(), "-n", "2"}).status, 2);
+  EXPECT_EQ(run({run_bin(), "-n", "2", "--timeout", "x", "sh"}).status, 2);
+}
+
+TEST(Launchers, BootstrapUnderHcommRun) {
+  Result r = run({run_bin(), "-n", "4", "--timeout", "60", check_bin()});
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_EQ(sorted_lines(r.out),
+            (std::vector<std::string>{"[0] boot_check rank 0/4 source=hcomm-run ok",
+                                      "[1] boot_check rank 1/4 source=hcomm-run ok",
+                                      "[2] boot_check rank 2/4 source=hcomm-run ok",
+                                      "[3] boot_check rank 3/4 source=hcomm-run ok"}))
+      << r.err;
+}
+
+TEST(Launchers, BootstrapUnderMpirun) {
+  if (::access("/usr/bin/mpirun", X_OK) != 0) GTEST_SKIP() << "/usr/bin/mpirun not installed (openmpi-bin)";
+  std::vector<std::string> args = {"/usr/bin/mpirun"};
+  if (::getuid() == 0) args.push_back("--allow-run-as-root");
+  for (const char* a : {"--oversubscribe", "-n", "2"}) args.emplace_back(a);
+  args.push_back(check_bin());
+  Result r = run(args, 120000);
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  std::set<std::string> got;
+  for (const auto& l : lines(r.out)) got.insert(l);
+  EXPECT_TRUE(got.count("boot_check rank 0/2 source=openmpi ok")) << r.out << r.err;
+  EXPECT_TRUE(got.count("boot_check rank 1/2 source=openmpi ok")) << r.out << r.err;
+}
+
+}  // namespace

@@ -1,0 +1,208 @@
+// Unit: launch detection from the environment, and Bootstrap's argument
+// checks and single-rank path (no network).
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "api/bootstrap.h"
+
+namespace hcomm::api {
+namespace {
+
+const char* kVars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HCOMM_JOB_ID",
+                       "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                       "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_MCA_ess_base_jobid", "PMIX_RANK", "PMIX_NAMESPACE",
+                       "PMIX_SIZE"};
+
+// Clears every launch variable for one test and restores them after.
+class DetectLaunch : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (const char* v : kVars) {
+      const char* old = std::getenv(v);
+      saved_.emplace_back(v, old ? std::optional<std::string>(old) : std::nullopt);
+      ::unsetenv(v);
+    }
+  }
+  void TearDown() override {
+    for (auto& [k, v] : saved_) {
+      if (v) ::setenv(k.c_str(), v->c_str(), 1);
+      else ::unsetenv(k.c_str());
+    }
+  }
+  static void set(const char* k, const char* v) { ::setenv(k, v, 1); }
+  static Status detect(LaunchInfo* li) { return detect_launch(li); }
+
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+TEST_F(DetectLaunch, NothingSetIsSingleRank) {
+  LaunchInfo li;
+  li.rank = 7;
+  ASSERT_TRUE(detect(&li));
+  EXPECT_EQ(li.source, "single");
+  EXPECT_EQ(li.rank, 0);
+  EXPECT_EQ(li.size, 1);
+  EXPECT_TRUE(li.master_addr.empty());
+}
+
+TEST_F(DetectLaunch, Torchrun) {
+  set("RANK", "3");
+  set("WORLD_SIZE", "8");
+  set("LOCAL_RANK", "1");
+  set("MASTER_ADDR", "10.0.0.1");
+  set("MASTER_PORT", "29500");
+  set("TORCHELASTIC_RUN_ID", "run42");
+  LaunchInfo li;
+  Status st = detect(&li);
+  ASSERT_TRUE(st) << st.to_string();
+  EXPECT_EQ(li.source, "torchrun");
+  EXPECT_EQ(li.rank, 3);
+  EXPECT_EQ(li.size, 8);
+  EXPECT_EQ(li.local_rank, 1);
+  EXPECT_EQ(li.master_addr, "10.0.0.1");
+  EXPECT_EQ(li.master_port, 29500);
+  EXPECT_EQ(li.job_id, "run42");
+}
+
+TEST_F(DetectLaunch, HcommRunIsTorchrunPlusJobId) {
+  set("RANK", "0");
+  set("WORLD_SIZE", "2");
+  set("MASTER_ADDR", "127.0.0.1");
+  set("MASTER_PORT", "4000");
+  set("HCOMM_JOB_ID", "job-x");
+  LaunchInfo li;
+  ASSERT_TRUE(detect(&li));
+  EXPECT_EQ(li.source, "hcomm-run");
+  EXPECT_EQ(li.job_id, "job-x");
+}
+
+TEST_F(DetectLaunch, TorchrunVariablesWinOverOpenMpi) {
+  set("RANK", "1");
+  set("WORLD_SIZE", "2");
+  set("OMPI_COMM_WORLD_RANK", "0");
+  set("OMPI_COMM_WORLD_SIZE", "4");
+  LaunchInfo li;
+  ASSERT_TRUE(detect(&li));
+  EXPECT_EQ(li.source, "torchrun");
+  EXPECT_EQ(li.rank, 1);
+  EXPECT_EQ(li.size, 2);
+}
+
+TEST_F(DetectLaunch, OpenMpi) {
+  set("OMPI_COMM_WORLD_RANK", "2");
+  set("OMPI_COMM_WORLD_SIZE", "4");
+  set("OMPI_COMM_WORLD_LOCAL_RANK", "2");
+  set("OMPI_MCA_ess_base_jobid", "12345");
+  set("PMIX_NAMESPACE", "prterun-x-1");
+  LaunchInfo li;
+  ASSERT_TRUE(detect(&li));
+  EXPECT_EQ(li.source, "openmpi");
+  EXPECT_EQ(li.rank, 2);
+  EXPECT_EQ(li.size, 4);
+  EXPECT_EQ(li.local_rank, 2);
+  EXPECT_EQ(li.job_id, "12345");
+  EXPECT_TRUE(li.master_addr.empty());
+  ::unsetenv("OMPI_MCA_ess_base_jobid");
+  ASSERT_TRUE(detect(&li));
+  EXPECT_EQ(li.job_id, "prterun-x-1");
+}
+
+TEST_F(DetectLaunch, Pmix) {
+  set("PMIX_RANK", "1");
+  set("PMIX_NAMESPACE", "ns7");
+  LaunchInfo li;
+  Status st = detect(&li);
+  EXPECT_EQ(st.code(), Code::invalid_argument) << "no size anywhere";
+  EXPECT_NE(st.message().find("size"), std::string::npos) << st.message();
+  set("PMIX_SIZE", "3");
+  ASSERT_TRUE(detect(&li));
+  EXPECT_EQ(li.source, "pmix");
+  EXPECT_EQ(li.rank, 1);
+  EXPECT_EQ(li.size, 3);
+  EXPECT_EQ(li.job_id, "ns7");
+  set("PMIX_RANK", "3");
+  EXPECT_EQ(detect(&li).code(), Code::invalid_argument);
+}
+
+struct Bad {
+  std::vector<std::pair<const char*, const char*>> env;
+  const char* names;  // the variable the message must name
+};
+
+class DetectLaunchBad : public DetectLaunch, public ::testing::WithParamInterface<Bad> {};
+
+TEST_P(DetectLaunchBad, IsAClearError) {
+  for (auto& [k, v] : GetParam().env) set(k, v);
+  LaunchInfo li;
+  li.rank = 99;
+  Status st = detect(&li);
+  EXPECT_EQ(st.code(), Code::invalid_argument) << st.to_string();
+  EXPECT_NE(st.message().find(GetParam().names), std::string::npos) << st.message();
+  EXPECT_EQ(li.rank, 99) << "the output is untouched on error";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Malformed, DetectLaunchBad,
+    ::testing::Values(Bad{{{"RANK", "1"}}, "WORLD_SIZE"}, Bad{{{"WORLD_SIZE", "2"}}, "RANK"},
+                      Bad{{{"RANK", "x"}, {"WORLD_SIZE", "2"}}, "RANK"},
+                      Bad{{{"RANK", "1x"}, {"WORLD_SIZE", "2"}}, "RANK"},
+                      Bad{{{"RANK", "-1"}, {"WORLD_SIZE", "2"}}, "RANK"},
+                      Bad{{{"RANK", "2"}, {"WORLD_SIZE", "2"}}, "RANK"},
+                      Bad{{{"RANK", "0"}, {"WORLD_SIZE", "0"}}, "WORLD_SIZE"},
+                      Bad{{{"RANK", "0"}, {"WORLD_SIZE", "99999999999999999999"}}, "WORLD_SIZE"},
+                      Bad{{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "a"}}, "LOCAL_RANK"},
+                      Bad{{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}}, "MASTER_PORT"},
+                      Bad{{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "5"}}, "MASTER_ADDR"},
+                      Bad{{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "0"}},
+                          "MASTER_PORT"},
+                      Bad{{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "65536"}},
+                          "MASTER_PORT"},
+                      Bad{{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "http"}},
+                          "MASTER_PORT"},
+                      Bad{{{"OMPI_COMM_WORLD_RANK", "4"}, {"OMPI_COMM_WORLD_SIZE", "4"}}, "OMPI_COMM_WORLD_RANK"},
+                      Bad{{{"OMPI_COMM_WORLD_RANK", "0"}}, "OMPI_COMM_WORLD_SIZE"},
+                      Bad{{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "two"}}, "OMPI_COMM_WORLD_SIZE"}));
+
+TEST(BootstrapArgs, RejectsNonsense) {
+  std::unique_ptr<Bootstrap> b;
+  LaunchInfo li;
+  li.size = 0;
+  EXPECT_EQ(Bootstrap::create(li, 1000, &b).code(), Code::invalid_argument);
+  li.size = 2;
+  li.rank = 2;
+  EXPECT_EQ(Bootstrap::create(li, 1000, &b).code(), Code::invalid_argument);
+  li.rank = 0;
+  EXPECT_EQ(Bootstrap::create(li, 0, &b).code(), Code::invalid_argument);
+  // Neither a master address nor a job id to name the port file by.
+  Status st = Bootstrap::create(li, 1000, &b);
+  EXPECT_EQ(st.code(), Code::invalid_argument);
+  EXPECT_NE(st.message().find("MASTER_ADDR"), std::string::npos) << st.message();
+  li.master_addr = "127.0.0.1";
+  li.master_port = 0;
+  EXPECT_EQ(Bootstrap::create(li, 1000, &b).code(), Code::invalid_argument);
+  EXPECT_EQ(Bootstrap::create(li, 1000, nullptr).code(), Code::invalid_argument);
+  EXPECT_EQ(b, nullptr);
+}
+
+TEST(BootstrapArgs, SingleRankNeedsNoNetwork) {
+  std::unique_ptr<Bootstrap> b;
+  LaunchInfo li;
+  ASSERT_TRUE(Bootstrap::create(li, 1000, &b));
+  EXPECT_EQ(b->rank(), 0);
+  EXPECT_EQ(b->size(), 1);
+  EXPECT_FALSE(b->job_id().empty());
+  std::vector<std::string> all;
+  ASSERT_TRUE(b->allgather("mine", &all, Deadline::after_ms(100)));
+  EXPECT_EQ(all, std::vector<std::string>{"mine"});
+  EXPECT_TRUE(b->barrier(Deadline::after_ms(100)));
+  EXPECT_EQ(b->allgather(std::string(Bootstrap::kMaxBlob + 1, 'x'), &all, Deadline::after_ms(100)).code(),
+            Code::invalid_argument);
+  EXPECT_EQ(b->allgather("x", nullptr, Deadline::after_ms(100)).code(), Code::invalid_argument);
+}
+
+}  // namespace
+}  // namespace hcomm::api
