@@ -15,7 +15,7 @@
 #include <cstring>
 
 #include "common/barrier.h"
-#include "sim/reduce.h"
+#include "hal/abi/reduce.h"
 
 namespace hcomm::sim {
 
@@ -249,7 +249,7 @@ Status Device::bar0_read(uint64_t offset, void* data, size_t len) {
   }
   uint64_t caps = abi::cap::COPY | abi::cap::FILL | abi::cap::REDUCE | abi::cap::NOTIFY |
                   abi::cap::FP16 | abi::cap::BF16 | abi::cap::PEER_DMA | abi::cap::MSIX |
-                  abi::cap::WAKE_SUPPRESS;
+                  abi::cap::WAKE_SUPPRESS | abi::cap::ATOMIC;
   r64(reg::CAPS, caps);
   r64(reg::HBM_SIZE, _cfg.hbm_size);
   r64(reg::ERR_COUNT, _err_count.load(std::memory_order_relaxed));
@@ -654,7 +654,8 @@ CqStatus Device::execute(Queue& q, const abi::SqEntry& d, uint64_t* fault_addr) 
   using abi::Opcode;
   *fault_addr = 0;
   if (d.opcode >= abi::kOpcodeCount) return CqStatus::BAD_OPCODE;
-  if ((d.flags & ~abi::desc_flag::kKnown) != 0 || d.rsvd0 != 0 || d.rsvd1[0] != 0 || d.rsvd1[1] != 0)
+  if ((d.flags & ~abi::desc_flag::kKnown) != 0 || d.rsvd0 != 0 || d.rsvd1 != 0 ||
+      (d.compare != 0 && d.opcode != static_cast<uint8_t>(Opcode::CMP_SWAP)))
     return CqStatus::BAD_FIELD;
   const auto op = static_cast<Opcode>(d.opcode);
   if (op != Opcode::REDUCE && (d.dtype != 0 || d.redop != 0)) return CqStatus::BAD_FIELD;
@@ -710,7 +711,13 @@ CqStatus Device::execute(Queue& q, const abi::SqEntry& d, uint64_t* fault_addr) 
       if (r.ptr == nullptr) return *fault_addr = d.dst, r.status == CqStatus::SRC_PERM ? CqStatus::DST_PERM : r.status;
       Xlate t = translate(d.dst, d.length, true, false);
       if (t.ptr == nullptr) return *fault_addr = d.dst, t.status;
-      reduce(dt, static_cast<abi::RedOp>(d.redop), t.ptr, s.ptr, d.length / es);
+      {
+        // Accumulates into one memory from several devices must not lose
+        // updates: REDUCEs are serialised fabric-wide (silicon does this at
+        // the memory controller / with PCIe AtomicOps per element).
+        std::lock_guard lk(_fabric != nullptr ? _fabric->reduce_mutex() : _reduce_mu);
+        abi::reduce(dt, static_cast<abi::RedOp>(d.redop), t.ptr, s.ptr, d.length / es);
+      }
       return CqStatus::OK;
     }
     case Opcode::NOTIFY: {
@@ -725,6 +732,33 @@ CqStatus Device::execute(Queue& q, const abi::SqEntry& d, uint64_t* fault_addr) 
       // shift alignment): the store is one atomic 64-bit write.
       if (reinterpret_cast<uintptr_t>(t.ptr) % 8 != 0) return *fault_addr = d.dst, CqStatus::BAD_ALIGN;
       std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(t.ptr)).store(d.value, std::memory_order_release);
+      return CqStatus::OK;
+    }
+    case Opcode::FETCH_ADD:
+    case Opcode::CMP_SWAP: {
+      if (d.length != 8) return CqStatus::BAD_LENGTH;
+      if (d.dst % 8 != 0 || d.src % 8 != 0) return CqStatus::BAD_ALIGN;
+      Xlate r = translate(d.dst, 8, false, false);  // dst is read and written
+      if (r.ptr == nullptr) return *fault_addr = d.dst, r.status == CqStatus::SRC_PERM ? CqStatus::DST_PERM : r.status;
+      Xlate t = translate(d.dst, 8, true, false);
+      if (t.ptr == nullptr) return *fault_addr = d.dst, t.status;
+      // The result goes to src: the device writes there, so it needs WRITE.
+      Xlate res = translate(d.src, 8, true, true);
+      if (res.ptr == nullptr)
+        return *fault_addr = d.src, res.status == CqStatus::DST_PERM ? CqStatus::SRC_PERM : res.status;
+      if (reinterpret_cast<uintptr_t>(t.ptr) % 8 != 0 || reinterpret_cast<uintptr_t>(res.ptr) % 8 != 0)
+        return *fault_addr = d.dst, CqStatus::BAD_ALIGN;
+      // A real atomic on the (shared) memory: atomic against other devices of
+      // the fabric and against CPU atomics on the same word.
+      std::atomic_ref<uint64_t> word(*reinterpret_cast<uint64_t*>(t.ptr));
+      uint64_t old;
+      if (op == Opcode::FETCH_ADD) {
+        old = word.fetch_add(d.value, std::memory_order_acq_rel);
+      } else {
+        old = d.compare;
+        word.compare_exchange_strong(old, d.value, std::memory_order_acq_rel);
+      }
+      std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(res.ptr)).store(old, std::memory_order_release);
       return CqStatus::OK;
     }
   }

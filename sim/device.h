@@ -166,6 +166,7 @@ class Device {
 
   std::vector<std::unique_ptr<Queue>> _queues;
   FaultState _faults;
+  std::mutex _reduce_mu;  // REDUCE serialisation when there is no fabric
 };
 
 // All devices of one hcomm-sim process: the intra-node fabric over which a
@@ -175,9 +176,12 @@ class Fabric {
   Status add(std::unique_ptr<Device> dev);
   Device* device(uint32_t index) const;
   uint32_t size() const { return static_cast<uint32_t>(_devices.size()); }
+  // Held by an engine for the duration of one REDUCE (see Device::execute).
+  std::mutex& reduce_mutex() { return _reduce_mu; }
 
  private:
   std::vector<std::unique_ptr<Device>> _devices;
+  std::mutex _reduce_mu;
 };
 
 }  // namespace hcomm::sim

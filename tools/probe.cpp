@@ -77,7 +77,8 @@ std::string caps_string(uint64_t caps) {
   static const std::pair<uint64_t, const char*> names[] = {
       {abi::cap::COPY, "copy"},         {abi::cap::FILL, "fill"},   {abi::cap::REDUCE, "reduce"},
       {abi::cap::NOTIFY, "notify"},     {abi::cap::FP16, "fp16"},   {abi::cap::BF16, "bf16"},
-      {abi::cap::PEER_DMA, "peer_dma"}, {abi::cap::MSIX, "msix"},   {abi::cap::WAKE_SUPPRESS, "wake_suppress"}};
+      {abi::cap::PEER_DMA, "peer_dma"}, {abi::cap::MSIX, "msix"},   {abi::cap::WAKE_SUPPRESS, "wake_suppress"},
+      {abi::cap::ATOMIC, "atomic"}};
   std::string s;
   for (auto& [bit, n] : names)
     if (caps & bit) s += (s.empty() ? "" : ",") + std::string(n);
@@ -231,6 +232,7 @@ class SelfTest {
   std::string reduce_int32_max();
   std::string peer_hbm();
   std::string notify();
+  std::string atomics();
   std::string ring_wrap();
   std::string expected_errors();
   std::string run_queue(npu::DmaQueue& q, abi::CqStatus* first = nullptr);
@@ -375,6 +377,18 @@ std::string SelfTest::notify() {
   return "";
 }
 
+std::string SelfTest::atomics() {
+  if ((_dev.info().caps & abi::cap::ATOMIC) == 0) return "";
+  auto* w = reinterpret_cast<volatile uint64_t*>(static_cast<uint8_t*>(_a.data()));
+  auto* res = reinterpret_cast<volatile uint64_t*>(static_cast<uint8_t*>(_b.data()));
+  *w = 40;
+  if (_q->fetch_add(_ma.iova, _mb.iova, 2, 14) != Code::ok) return "enqueue failed";
+  if (_q->cmp_swap(_ma.iova, _mb.iova + 8, 42, 100, 15) != Code::ok) return "enqueue failed";
+  if (auto e = run_queue(*_q); !e.empty()) return e;
+  if (res[0] != 40 || res[1] != 42 || *w != 100) return "fetch_add/cmp_swap results wrong";
+  return "";
+}
+
 std::string SelfTest::ring_wrap() {
   std::unique_ptr<npu::DmaQueue> q;
   if (Status st = _dev.create_queue(3, false, &q); !st) return st.to_string();
@@ -443,6 +457,7 @@ std::vector<Check> SelfTest::run() {
   check("reduce int32 max (host)", [&] { return reduce_int32_max(); });
   if (_dev.info().fabric_size > 1) check("copy host->peer HBM->HBM", [&] { return peer_hbm(); });
   check("notify after copy", [&] { return notify(); });
+  if (_dev.info().caps & abi::cap::ATOMIC) check("fetch_add / cmp_swap", [&] { return atomics(); });
   check("ring wrap (8 entries x 512)", [&] { return ring_wrap(); });
   check("expected errors", [&] { return expected_errors(); });
   for (npu::Mapping* m : {&_mhbm, &_mb, &_ma})

@@ -16,8 +16,13 @@ enum class Opcode : uint8_t {
   REDUCE = 3,  // dst[i] = dst[i] <redop> src[i] over length / sizeof(dtype) elements
   NOTIFY = 4,  // after every earlier descriptor of the queue completed, store the
                // 64-bit `value` at dst (8-byte aligned, length must be 8)
+  // Fetch atomics (ABI 1.1, cap::ATOMIC): one atomic read-modify-write of the
+  // 64-bit word at dst; the old value is written to the 8-byte word at src
+  // (the result address: needs WRITE). length must be 8, dst and src 8-aligned.
+  FETCH_ADD = 5,  // *dst += value (wraps)
+  CMP_SWAP = 6,   // if (*dst == compare) *dst = value
 };
-inline constexpr uint8_t kOpcodeCount = 5;
+inline constexpr uint8_t kOpcodeCount = 7;
 
 // ---- §9.2 flags ---------------------------------------------------------------
 namespace desc_flag {
@@ -57,11 +62,12 @@ struct SqEntry {
   uint8_t redop;       // RedOp (REDUCE only, else 0)
   uint32_t rsvd0;      // must be 0
   uint64_t user_data;  // opaque, echoed in the completion
-  uint64_t src;        // IOVA (COPY, REDUCE)
+  uint64_t src;        // IOVA (COPY, REDUCE; the result address of FETCH_ADD/CMP_SWAP)
   uint64_t dst;        // IOVA (COPY, FILL, REDUCE, NOTIFY)
   uint64_t length;     // bytes
-  uint64_t value;      // FILL pattern / NOTIFY value
-  uint64_t rsvd1[2];   // must be 0
+  uint64_t value;      // FILL pattern / NOTIFY value / FETCH_ADD addend / CMP_SWAP new value
+  uint64_t compare;    // CMP_SWAP expected value; must be 0 for every other opcode
+  uint64_t rsvd1;      // must be 0
 };
 static_assert(sizeof(SqEntry) == 64);
 static_assert(offsetof(SqEntry, user_data) == 8);
@@ -69,7 +75,8 @@ static_assert(offsetof(SqEntry, src) == 16);
 static_assert(offsetof(SqEntry, dst) == 24);
 static_assert(offsetof(SqEntry, length) == 32);
 static_assert(offsetof(SqEntry, value) == 40);
-static_assert(offsetof(SqEntry, rsvd1) == 48);
+static_assert(offsetof(SqEntry, compare) == 48);
+static_assert(offsetof(SqEntry, rsvd1) == 56);
 
 // ---- §9.5 completion status codes ---------------------------------------------
 enum class CqStatus : uint16_t {

@@ -138,6 +138,27 @@ Code DmaQueue::notify(uint64_t dst, uint64_t value, uint64_t user_data, uint8_t 
   return enqueue(e, index);
 }
 
+Code DmaQueue::fetch_add(uint64_t dst, uint64_t result, uint64_t add, uint64_t user_data, uint8_t flags,
+                         uint32_t* index) {
+  abi::SqEntry e = make(abi::Opcode::FETCH_ADD, flags, user_data);
+  e.dst = dst;
+  e.src = result;
+  e.length = 8;
+  e.value = add;
+  return enqueue(e, index);
+}
+
+Code DmaQueue::cmp_swap(uint64_t dst, uint64_t result, uint64_t compare, uint64_t swap, uint64_t user_data,
+                        uint8_t flags, uint32_t* index) {
+  abi::SqEntry e = make(abi::Opcode::CMP_SWAP, flags, user_data);
+  e.dst = dst;
+  e.src = result;
+  e.length = 8;
+  e.value = swap;
+  e.compare = compare;
+  return enqueue(e, index);
+}
+
 Code DmaQueue::nop(uint64_t user_data, uint8_t flags, uint32_t* index) {
   return enqueue(make(abi::Opcode::NOP, flags, user_data), index);
 }

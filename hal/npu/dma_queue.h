@@ -54,6 +54,11 @@ class DmaQueue {
   [[nodiscard]] Code notify(uint64_t dst, uint64_t value, uint64_t user_data, uint8_t flags = 0,
                             uint32_t* index = nullptr);
   [[nodiscard]] Code nop(uint64_t user_data, uint8_t flags = 0, uint32_t* index = nullptr);
+  // Fetch atomics (cap::ATOMIC): the old value of *dst lands at `result`.
+  [[nodiscard]] Code fetch_add(uint64_t dst, uint64_t result, uint64_t add, uint64_t user_data, uint8_t flags = 0,
+                               uint32_t* index = nullptr);
+  [[nodiscard]] Code cmp_swap(uint64_t dst, uint64_t result, uint64_t compare, uint64_t swap, uint64_t user_data,
+                              uint8_t flags = 0, uint32_t* index = nullptr);
   void submit();
   // Reap up to out.size() completions; returns how many.
   uint32_t poll(std::span<Completion> out);

@@ -431,6 +431,63 @@ TEST_F(NpuDma, RandomDescriptorsNeverTouchUnmappedMemory) {
   EXPECT_EQ(run_one(), CqStatus::OK);
 }
 
+TEST_F(NpuDma, FetchAtomicsFromTwoDevicesAreAtomic) {
+  // Device 0 and device 1 both fetch-add into one word of device 0's host
+  // memory, reached by device 1 through a DMA map of the same memfd.
+  auto peer = open(1);
+  ASSERT_NE(peer, nullptr);
+  std::unique_ptr<npu::DmaQueue> pq;
+  ASSERT_TRUE(peer->create_queue(8, false, &pq));
+  driver::DmaBuffer word;
+  ASSERT_TRUE(driver::DmaBuffer::allocate(4096, -1, &word));
+  npu::Mapping m0, m1;
+  ASSERT_TRUE(dev_->map_buffer(word, npu::access::RW, &m0));
+  ASSERT_TRUE(peer->map_buffer(word, npu::access::RW, &m1));
+  uint64_t ires;
+  auto* results = reinterpret_cast<uint64_t*>(host(4096, &ires));
+  driver::DmaBuffer pres;
+  ASSERT_TRUE(driver::DmaBuffer::allocate(4096, -1, &pres));
+  npu::Mapping mp;
+  ASSERT_TRUE(peer->map_buffer(pres, npu::access::RW, &mp));
+  const uint32_t n = 200;
+  for (uint32_t i = 0; i < n; ++i) {
+    ASSERT_EQ(q_->fetch_add(m0.iova, ires + 8 * (i % 256), 1, i), Code::ok);
+    ASSERT_EQ(pq->fetch_add(m1.iova, mp.iova + 8 * (i % 256), 1, i), Code::ok);
+    if (q_->free_slots() == 0 || i == n - 1) {
+      q_->submit();
+      pq->submit();
+      CqStatus e0, e1;
+      ASSERT_TRUE(q_->drain(Deadline::after_ms(10000), &e0));
+      ASSERT_TRUE(pq->drain(Deadline::after_ms(10000), &e1));
+      ASSERT_EQ(e0, CqStatus::OK);
+      ASSERT_EQ(e1, CqStatus::OK);
+    }
+  }
+  EXPECT_EQ(*static_cast<uint64_t*>(word.data()), 2u * n) << "lost updates";
+  (void)results;
+  // CMP_SWAP: succeeds once, then reports the value it found.
+  ASSERT_EQ(q_->cmp_swap(m0.iova, ires, 2 * n, 7, 1), Code::ok);
+  ASSERT_EQ(q_->cmp_swap(m0.iova, ires + 8, 2 * n, 9, 2), Code::ok);
+  run_all_ok();
+  EXPECT_EQ(results[0], 2u * n);
+  EXPECT_EQ(results[1], 7u);
+  EXPECT_EQ(*static_cast<uint64_t*>(word.data()), 7u);
+  // Misuse gets its own status.
+  ASSERT_EQ(q_->fetch_add(m0.iova + 4, ires, 1, 3), Code::ok);
+  EXPECT_EQ(run_one(), CqStatus::BAD_ALIGN);
+  abi::SqEntry e{};
+  e.opcode = static_cast<uint8_t>(abi::Opcode::COPY);
+  e.src = ires;
+  e.dst = ires + 64;
+  e.length = 8;
+  e.compare = 1;
+  ASSERT_EQ(q_->enqueue(e), Code::ok);
+  EXPECT_EQ(run_one(), CqStatus::BAD_FIELD) << "compare is reserved outside CMP_SWAP";
+  ASSERT_TRUE(dev_->unmap(&m0));
+  ASSERT_TRUE(peer->unmap(&m1));
+  ASSERT_TRUE(peer->unmap(&mp));
+}
+
 TEST_F(NpuDma, RingRunsPast65536WrapArounds) {
   std::unique_ptr<npu::DmaQueue> q;
   ASSERT_TRUE(dev_->create_queue(2, false, &q));  // 4 entries

@@ -4,12 +4,12 @@
 #include <cstring>
 #include <limits>
 
-#include "sim/reduce.h"
+#include "hal/abi/reduce.h"
 
-namespace hcomm::sim {
+namespace hcomm::hal::abi {
 namespace {
 
-namespace abi = hal::abi;
+namespace abi = hcomm::hal::abi;
 
 uint16_t ref_half(float f) {
   _Float16 h = static_cast<_Float16>(f);  // the compiler's IEEE conversion (round to nearest even)
@@ -108,4 +108,4 @@ TEST(Reduce, UnalignedBuffersAndFloatNanHandling) {
 }
 
 }  // namespace
-}  // namespace hcomm::sim
+}  // namespace hcomm::hal::abi

@@ -1,10 +1,10 @@
-#include "sim/reduce.h"
+#include "hal/abi/reduce.h"
 
 #include <cmath>
 #include <cstring>
 #include <type_traits>
 
-namespace hcomm::sim {
+namespace hcomm::hal::abi {
 
 namespace abi = hcomm::hal::abi;
 
@@ -144,4 +144,4 @@ void reduce(abi::DType dtype, abi::RedOp op, uint8_t* dst, const uint8_t* src, u
   }
 }
 
-}  // namespace hcomm::sim
+}  // namespace hcomm::hal::abi

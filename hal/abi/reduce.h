@@ -1,4 +1,5 @@
-// Element-wise reductions of the REDUCE opcode (docs/device-abi.md §9.3):
+// Element-wise reductions of the REDUCE opcode, shared by the device model
+// (sim/) and the host engine (api/), so both compute bit-identical results (docs/device-abi.md §9.3):
 // dst[i] = dst[i] op src[i]. Integers wrap (two's complement); fp16 and bf16
 // are computed in fp32 and rounded to nearest-even; MAX/MIN follow fmax/fmin
 // (a NaN operand loses to a number).
@@ -9,7 +10,7 @@
 
 #include "hal/abi/desc.h"
 
-namespace hcomm::sim {
+namespace hcomm::hal::abi {
 
 float half_to_float(uint16_t h);
 uint16_t float_to_half(float f);
@@ -17,6 +18,6 @@ float bf16_to_float(uint16_t b);
 uint16_t float_to_bf16(float f);
 
 // dst and src need not be aligned; count elements of dtype.
-void reduce(hal::abi::DType dtype, hal::abi::RedOp op, uint8_t* dst, const uint8_t* src, uint64_t count);
+void reduce(DType dtype, RedOp op, uint8_t* dst, const uint8_t* src, uint64_t count);
 
-}  // namespace hcomm::sim
+}  // namespace hcomm::hal::abi
