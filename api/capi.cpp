@@ -1,0 +1,434 @@
+// The C API: argument checks, locking, status mapping, last-error text.
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "api/internal.h"
+#include "hal/abi/desc.h"
+#include "hcomm_config.h"
+
+using hcomm::Code;
+using hcomm::Deadline;
+using hcomm::Status;
+using hcomm::api::Context;
+using hcomm::api::Request;
+using hcomm::api::to_hcomm;
+
+namespace {
+
+thread_local std::string g_last_error;
+
+hcomm_status_t ret(const Status& st) {
+  if (st) return HCOMM_OK;
+  g_last_error = st.to_string();
+  return to_hcomm(st.code());
+}
+hcomm_status_t fail(hcomm_status_t s, const char* what) {
+  g_last_error = what;
+  return s;
+}
+Deadline deadline_of(int timeout_ms) { return Deadline::after_ms(timeout_ms < 0 ? 0 : timeout_ms); }
+
+#define CTX_OR_FAIL(c)                                                  \
+  if ((c) == nullptr || !(c)->impl) return fail(HCOMM_ERR_INVALID, "null context"); \
+  Context& ctx = *(c)->impl;                                            \
+  std::unique_lock lock(ctx.mu())
+
+hcomm_status_t new_request(Context& ctx, std::shared_ptr<Request> r, hcomm_request_t** out) {
+  auto* h = new (std::nothrow) hcomm_request{&ctx, std::move(r)};
+  if (h == nullptr) return fail(HCOMM_ERR_NO_RESOURCE, "out of memory");
+  *out = h;
+  return HCOMM_OK;
+}
+
+// Blocking form = nonblocking form + wait.
+hcomm_status_t run_blocking(Context& ctx, const Status& posted, const std::shared_ptr<Request>& r, int timeout_ms) {
+  if (!posted) return ret(posted);
+  Status w = ctx.wait(*r, deadline_of(timeout_ms));
+  if (!w) return ret(w);
+  if (r->status != HCOMM_OK) g_last_error = r->error.empty() ? hcomm_strerror(r->status) : r->error;
+  return r->status;
+}
+
+}  // namespace
+
+extern "C" {
+
+uint32_t hcomm_api_version(void) { return HCOMM_API_VERSION; }
+
+const char* hcomm_strerror(hcomm_status_t s) {
+  switch (s) {
+    case HCOMM_OK: return "success";
+    case HCOMM_IN_PROGRESS: return "in progress";
+    case HCOMM_ERR_NO_RESOURCE: return "out of resources";
+    case HCOMM_ERR_INVALID: return "invalid argument";
+    case HCOMM_ERR_NOT_FOUND: return "not found";
+    case HCOMM_ERR_IO: return "I/O error";
+    case HCOMM_ERR_PROTOCOL: return "protocol error";
+    case HCOMM_ERR_TIMEOUT: return "timed out";
+    case HCOMM_ERR_DEVICE: return "device error";
+    case HCOMM_ERR_ACCESS: return "access denied (remote key)";
+    case HCOMM_ERR_OUT_OF_RANGE: return "out of range";
+    case HCOMM_ERR_UNSUPPORTED: return "unsupported";
+    case HCOMM_ERR_PEER_FAILURE: return "peer failure";
+    case HCOMM_ERR_CLOSED: return "closed";
+    case HCOMM_ERR_TRUNCATED: return "message truncated";
+  }
+  return "unknown status";
+}
+
+const char* hcomm_last_error(void) { return g_last_error.c_str(); }
+
+void hcomm_config_init(hcomm_config_t* c) {
+  if (c == nullptr) return;
+  std::memset(c, 0, sizeof *c);
+  c->struct_size = sizeof *c;
+  c->engine = HCOMM_ENGINE_AUTO;
+  c->bootstrap_timeout_ms = 30000;
+  c->device = nullptr;
+}
+
+hcomm_status_t hcomm_init(const hcomm_config_t* config, hcomm_context_t** out) {
+  if (out == nullptr) return fail(HCOMM_ERR_INVALID, "null context pointer");
+  hcomm_config_t cfg;
+  hcomm_config_init(&cfg);
+  if (config != nullptr) {
+    if (config->struct_size < sizeof(size_t) || config->struct_size > sizeof cfg)
+      return fail(HCOMM_ERR_INVALID, "hcomm_config_t.struct_size is not sizeof(hcomm_config_t)");
+    std::memcpy(&cfg, config, config->struct_size);
+  }
+  if (cfg.engine < HCOMM_ENGINE_AUTO || cfg.engine > HCOMM_ENGINE_NPU) return fail(HCOMM_ERR_INVALID, "unknown engine");
+  std::unique_ptr<Context> impl;
+  Status st = Context::create(cfg, &impl);
+  if (!st) return ret(st);
+  *out = new hcomm_context{std::move(impl)};
+  return HCOMM_OK;
+}
+
+hcomm_status_t hcomm_finalize(hcomm_context_t* c) {
+  if (c == nullptr || !c->impl) return fail(HCOMM_ERR_INVALID, "null context");
+  Status st;
+  {
+    std::unique_lock lock(c->impl->mu());
+    st = c->impl->finalize(Deadline::after_ms(30000));
+  }
+  delete c;
+  return ret(st);
+}
+
+int hcomm_rank(const hcomm_context_t* c) { return c != nullptr && c->impl ? c->impl->rank() : -1; }
+int hcomm_size(const hcomm_context_t* c) { return c != nullptr && c->impl ? c->impl->size() : -1; }
+const char* hcomm_engine_name(const hcomm_context_t* c) {
+  return c != nullptr && c->impl ? c->impl->engine_name() : "none";
+}
+
+hcomm_status_t hcomm_barrier(hcomm_context_t* c, int timeout_ms) {
+  CTX_OR_FAIL(c);
+  return ret(ctx.barrier(deadline_of(timeout_ms)));
+}
+
+hcomm_status_t hcomm_progress(hcomm_context_t* c) {
+  CTX_OR_FAIL(c);
+  ctx.progress();
+  return HCOMM_OK;
+}
+
+size_t hcomm_dtype_size(hcomm_dtype_t t) {
+  return t >= HCOMM_INT8 && t <= HCOMM_FP64 ? hcomm::hal::abi::dtype_size(static_cast<hcomm::hal::abi::DType>(t)) : 0;
+}
+
+// ---- memory ----
+
+hcomm_status_t hcomm_mem_alloc(hcomm_context_t* c, size_t size, unsigned kind, unsigned access, hcomm_mem_t** mem) {
+  CTX_OR_FAIL(c);
+  return ret(ctx.mem_alloc(size, kind, access, mem));
+}
+
+hcomm_status_t hcomm_mem_register(hcomm_context_t* c, void* addr, size_t size, unsigned access, hcomm_mem_t** mem) {
+  CTX_OR_FAIL(c);
+  return ret(ctx.mem_register(addr, size, access, mem));
+}
+
+hcomm_status_t hcomm_mem_release(hcomm_mem_t* mem) {
+  if (mem == nullptr || mem->ctx == nullptr) return fail(HCOMM_ERR_INVALID, "null memory handle");
+  Context& ctx = *mem->ctx;
+  std::unique_lock lock(ctx.mu());
+  return ret(ctx.mem_release(mem));
+}
+
+void* hcomm_mem_ptr(const hcomm_mem_t* mem) { return mem != nullptr ? mem->ptr : nullptr; }
+size_t hcomm_mem_size(const hcomm_mem_t* mem) { return mem != nullptr ? mem->size : 0; }
+
+hcomm_status_t hcomm_mem_rkey_pack(const hcomm_mem_t* mem, void* buf, size_t* len) {
+  if (mem == nullptr || mem->ctx == nullptr) return fail(HCOMM_ERR_INVALID, "null memory handle");
+  Context& ctx = *mem->ctx;
+  std::unique_lock lock(ctx.mu());
+  return ret(ctx.rkey_pack(mem, buf, len));
+}
+
+hcomm_status_t hcomm_rkey_import(hcomm_context_t* c, int peer, const void* buf, size_t len, hcomm_rkey_t** rkey) {
+  CTX_OR_FAIL(c);
+  return ret(ctx.rkey_import(peer, buf, len, rkey));
+}
+
+size_t hcomm_rkey_size(const hcomm_rkey_t* k) { return k != nullptr ? k->w.size : 0; }
+
+hcomm_status_t hcomm_rkey_release(hcomm_rkey_t* k) {
+  if (k == nullptr || k->ctx == nullptr) return fail(HCOMM_ERR_INVALID, "null remote key");
+  Context& ctx = *k->ctx;
+  std::unique_lock lock(ctx.mu());
+  return ret(ctx.rkey_release(k));
+}
+
+// ---- requests ----
+
+hcomm_status_t hcomm_test(hcomm_request_t* req, int* done) {
+  if (req == nullptr || !req->r || done == nullptr) return fail(HCOMM_ERR_INVALID, "null request or done pointer");
+  std::unique_lock lock(req->ctx->mu());
+  if (!req->r->done()) req->ctx->progress();
+  *done = req->r->done() ? 1 : 0;
+  if (!*done) return HCOMM_IN_PROGRESS;
+  if (req->r->status != HCOMM_OK) g_last_error = req->r->error;
+  return req->r->status;
+}
+
+hcomm_status_t hcomm_wait(hcomm_request_t* req, int timeout_ms) {
+  if (req == nullptr || !req->r) return fail(HCOMM_ERR_INVALID, "null request");
+  std::unique_lock lock(req->ctx->mu());
+  Status st = req->ctx->wait(*req->r, deadline_of(timeout_ms));
+  if (!st) return ret(st);
+  if (req->r->status != HCOMM_OK) g_last_error = req->r->error;
+  return req->r->status;
+}
+
+void hcomm_request_free(hcomm_request_t* req) {
+  if (req == nullptr) return;
+  // The context keeps its own reference while the operation runs: freeing a
+  // pending request only drops the user's handle.
+  if (req->ctx != nullptr) {
+    std::unique_lock lock(req->ctx->mu());
+    req->r.reset();
+  }
+  delete req;
+}
+
+hcomm_status_t hcomm_request_recv_info(const hcomm_request_t* req, hcomm_recv_info_t* info) {
+  if (req == nullptr || !req->r || info == nullptr) return fail(HCOMM_ERR_INVALID, "null request or info");
+  if (req->r->kind != Request::Kind::recv) return fail(HCOMM_ERR_INVALID, "not a receive request");
+  std::unique_lock lock(req->ctx->mu());
+  if (!req->r->done()) return HCOMM_IN_PROGRESS;
+  *info = req->r->info;
+  return HCOMM_OK;
+}
+
+// ---- one-sided ----
+
+namespace {
+Context::RmaArgs put_args(const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off) {
+  Context::RmaArgs a;
+  a.op = Context::Rma::put;
+  a.local = static_cast<uint8_t*>(const_cast<void*>(local));
+  a.len = len;
+  a.rkey = rkey;
+  a.roff = off;
+  return a;
+}
+Context::RmaArgs get_args(void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off) {
+  Context::RmaArgs a = put_args(local, len, rkey, off);
+  a.op = Context::Rma::get;
+  return a;
+}
+Context::RmaArgs acc_args(const void* local, size_t count, hcomm_dtype_t dt, hcomm_op_t op, hcomm_rkey_t* rkey,
+                          uint64_t off, bool* ok) {
+  size_t es = hcomm_dtype_size(dt);
+  *ok = es != 0 && count <= SIZE_MAX / es;
+  Context::RmaArgs a = put_args(local, count * (es ? es : 1), rkey, off);
+  a.op = Context::Rma::acc;
+  a.dtype = dt;
+  a.redop = op;
+  return a;
+}
+Context::RmaArgs notify_args(const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off, hcomm_rkey_t* nk,
+                             uint64_t noff, uint64_t value) {
+  Context::RmaArgs a = put_args(local, len, rkey, off);
+  if (nk == nullptr) nk = reinterpret_cast<hcomm_rkey_t*>(1);  // rejected below as a bad key
+  a.notify_rkey = nk;
+  a.notify_off = noff;
+  a.notify_value = value;
+  return a;
+}
+Context::RmaArgs atomic_args(Context::Rma op, hcomm_rkey_t* rkey, uint64_t off, uint64_t operand, uint64_t compare,
+                             uint64_t* old) {
+  Context::RmaArgs a;
+  a.op = op;
+  a.rkey = rkey;
+  a.roff = off;
+  a.operand = operand;
+  a.compare = compare;
+  a.old_value = old;
+  return a;
+}
+
+hcomm_status_t rma_blocking(hcomm_context_t* c, const Context::RmaArgs& a, int timeout_ms) {
+  CTX_OR_FAIL(c);
+  if (a.notify_rkey == reinterpret_cast<hcomm_rkey_t*>(1)) return fail(HCOMM_ERR_INVALID, "null notify key");
+  std::shared_ptr<Request> r;
+  Status st = ctx.rma(a, &r);
+  return run_blocking(ctx, st, r, timeout_ms);
+}
+hcomm_status_t rma_nb(hcomm_context_t* c, const Context::RmaArgs& a, hcomm_request_t** req) {
+  CTX_OR_FAIL(c);
+  if (req == nullptr) return fail(HCOMM_ERR_INVALID, "null request pointer");
+  if (a.notify_rkey == reinterpret_cast<hcomm_rkey_t*>(1)) return fail(HCOMM_ERR_INVALID, "null notify key");
+  std::shared_ptr<Request> r;
+  Status st = ctx.rma(a, &r);
+  if (!st) return ret(st);
+  return new_request(ctx, std::move(r), req);
+}
+}  // namespace
+
+hcomm_status_t hcomm_put(hcomm_context_t* c, const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off,
+                         int timeout_ms) {
+  return rma_blocking(c, put_args(local, len, rkey, off), timeout_ms);
+}
+hcomm_status_t hcomm_get(hcomm_context_t* c, void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off,
+                         int timeout_ms) {
+  return rma_blocking(c, get_args(local, len, rkey, off), timeout_ms);
+}
+hcomm_status_t hcomm_accumulate(hcomm_context_t* c, const void* local, size_t count, hcomm_dtype_t dt, hcomm_op_t op,
+                                hcomm_rkey_t* rkey, uint64_t off, int timeout_ms) {
+  bool ok;
+  Context::RmaArgs a = acc_args(local, count, dt, op, rkey, off, &ok);
+  if (!ok) return fail(HCOMM_ERR_INVALID, "unknown dtype or count overflow");
+  return rma_blocking(c, a, timeout_ms);
+}
+hcomm_status_t hcomm_put_notify(hcomm_context_t* c, const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off,
+                                hcomm_rkey_t* nk, uint64_t noff, uint64_t value, int timeout_ms) {
+  return rma_blocking(c, notify_args(local, len, rkey, off, nk, noff, value), timeout_ms);
+}
+hcomm_status_t hcomm_fetch_add(hcomm_context_t* c, hcomm_rkey_t* rkey, uint64_t off, uint64_t add, uint64_t* old,
+                               int timeout_ms) {
+  return rma_blocking(c, atomic_args(Context::Rma::fetch_add, rkey, off, add, 0, old), timeout_ms);
+}
+hcomm_status_t hcomm_compare_swap(hcomm_context_t* c, hcomm_rkey_t* rkey, uint64_t off, uint64_t compare,
+                                  uint64_t swap, uint64_t* old, int timeout_ms) {
+  return rma_blocking(c, atomic_args(Context::Rma::cswap, rkey, off, swap, compare, old), timeout_ms);
+}
+hcomm_status_t hcomm_iput(hcomm_context_t* c, const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off,
+                          hcomm_request_t** req) {
+  return rma_nb(c, put_args(local, len, rkey, off), req);
+}
+hcomm_status_t hcomm_iget(hcomm_context_t* c, void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off,
+                          hcomm_request_t** req) {
+  return rma_nb(c, get_args(local, len, rkey, off), req);
+}
+hcomm_status_t hcomm_iaccumulate(hcomm_context_t* c, const void* local, size_t count, hcomm_dtype_t dt, hcomm_op_t op,
+                                 hcomm_rkey_t* rkey, uint64_t off, hcomm_request_t** req) {
+  bool ok;
+  Context::RmaArgs a = acc_args(local, count, dt, op, rkey, off, &ok);
+  if (!ok) return fail(HCOMM_ERR_INVALID, "unknown dtype or count overflow");
+  return rma_nb(c, a, req);
+}
+hcomm_status_t hcomm_iput_notify(hcomm_context_t* c, const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off,
+                                 hcomm_rkey_t* nk, uint64_t noff, uint64_t value, hcomm_request_t** req) {
+  return rma_nb(c, notify_args(local, len, rkey, off, nk, noff, value), req);
+}
+hcomm_status_t hcomm_ifetch_add(hcomm_context_t* c, hcomm_rkey_t* rkey, uint64_t off, uint64_t add, uint64_t* old,
+                                hcomm_request_t** req) {
+  return rma_nb(c, atomic_args(Context::Rma::fetch_add, rkey, off, add, 0, old), req);
+}
+hcomm_status_t hcomm_icompare_swap(hcomm_context_t* c, hcomm_rkey_t* rkey, uint64_t off, uint64_t compare,
+                                   uint64_t swap, uint64_t* old, hcomm_request_t** req) {
+  return rma_nb(c, atomic_args(Context::Rma::cswap, rkey, off, swap, compare, old), req);
+}
+
+hcomm_status_t hcomm_notify_wait(hcomm_context_t* c, hcomm_mem_t* mem, uint64_t off, uint64_t value, int timeout_ms) {
+  CTX_OR_FAIL(c);
+  return ret(ctx.notify_wait(mem, off, value, deadline_of(timeout_ms)));
+}
+
+hcomm_status_t hcomm_flush(hcomm_context_t* c, int peer, int timeout_ms) {
+  CTX_OR_FAIL(c);
+  return ret(ctx.flush(peer, deadline_of(timeout_ms)));
+}
+
+hcomm_status_t hcomm_fence(hcomm_context_t* c) {
+  CTX_OR_FAIL(c);
+  ctx.fence();
+  return HCOMM_OK;
+}
+
+// ---- two-sided ----
+
+hcomm_status_t hcomm_isend(hcomm_context_t* c, int dest, const void* buf, size_t len, uint64_t tag,
+                           hcomm_request_t** req) {
+  CTX_OR_FAIL(c);
+  if (req == nullptr) return fail(HCOMM_ERR_INVALID, "null request pointer");
+  std::shared_ptr<Request> r;
+  Status st = ctx.isend(dest, buf, len, tag, &r);
+  if (!st) return ret(st);
+  return new_request(ctx, std::move(r), req);
+}
+
+hcomm_status_t hcomm_irecv(hcomm_context_t* c, int source, void* buf, size_t len, uint64_t tag, uint64_t mask,
+                           hcomm_request_t** req) {
+  CTX_OR_FAIL(c);
+  if (req == nullptr) return fail(HCOMM_ERR_INVALID, "null request pointer");
+  std::shared_ptr<Request> r;
+  Status st = ctx.irecv(source, buf, len, tag, mask, &r);
+  if (!st) return ret(st);
+  return new_request(ctx, std::move(r), req);
+}
+
+hcomm_status_t hcomm_send(hcomm_context_t* c, int dest, const void* buf, size_t len, uint64_t tag, int timeout_ms) {
+  CTX_OR_FAIL(c);
+  std::shared_ptr<Request> r;
+  Status st = ctx.isend(dest, buf, len, tag, &r);
+  return run_blocking(ctx, st, r, timeout_ms);
+}
+
+hcomm_status_t hcomm_recv(hcomm_context_t* c, int source, void* buf, size_t len, uint64_t tag, uint64_t mask,
+                          hcomm_recv_info_t* info, int timeout_ms) {
+  CTX_OR_FAIL(c);
+  std::shared_ptr<Request> r;
+  Status st = ctx.irecv(source, buf, len, tag, mask, &r);
+  hcomm_status_t s = run_blocking(ctx, st, r, timeout_ms);
+  if (info != nullptr && r && r->done()) *info = r->info;
+  return s;
+}
+
+hcomm_status_t hcomm_probe(hcomm_context_t* c, int source, uint64_t tag, uint64_t mask, int* found,
+                           hcomm_recv_info_t* info) {
+  CTX_OR_FAIL(c);
+  if (found == nullptr) return fail(HCOMM_ERR_INVALID, "null found pointer");
+  bool f = false;
+  Status st = ctx.probe(source, tag, mask, &f, info);
+  *found = f ? 1 : 0;
+  return ret(st);
+}
+
+hcomm_status_t hcomm_sendrecv(hcomm_context_t* c, int dest, const void* sbuf, size_t slen, uint64_t stag, int source,
+                              void* rbuf, size_t rlen, uint64_t rtag, uint64_t rmask, hcomm_recv_info_t* info,
+                              int timeout_ms) {
+  CTX_OR_FAIL(c);
+  Deadline dl = deadline_of(timeout_ms);
+  // Receive first, then send, then wait for both: no ordering between ranks
+  // can make this block.
+  std::shared_ptr<Request> rr, sr;
+  Status st = ctx.irecv(source, rbuf, rlen, rtag, rmask, &rr);
+  if (!st) return ret(st);
+  st = ctx.isend(dest, sbuf, slen, stag, &sr);
+  if (!st) return ret(st);
+  st = ctx.wait(*sr, dl);
+  if (st) st = ctx.wait(*rr, dl);
+  if (!st) return ret(st);
+  if (info != nullptr) *info = rr->info;
+  if (sr->status != HCOMM_OK) {
+    g_last_error = sr->error;
+    return sr->status;
+  }
+  if (rr->status != HCOMM_OK) g_last_error = rr->error;
+  return rr->status;
+}
+
+}  // extern "C"

@@ -1,0 +1,228 @@
+/*
+ * hcomm: point-to-point communication for accelerators.
+ *
+ * Two-sided Send/Recv/SendRecv with 64-bit tags; one-sided Put/Get/
+ * Accumulate, put-with-notify and fetch atomics into registered memory that
+ * peers address with remote keys; flush and fence. Every handle is opaque;
+ * every call returns an hcomm_status_t; every wait takes a timeout.
+ *
+ * Threading: a context may be used from several threads; calls on one
+ * context are serialised internally.
+ *
+ * ABI: this header is versioned (HCOMM_API_VERSION). Structs passed in carry
+ * their own size so later versions can grow them.
+ */
+#ifndef HCOMM_HCOMM_H
+#define HCOMM_HCOMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define HCOMM_API_VERSION_MAJOR 0
+#define HCOMM_API_VERSION_MINOR 1
+#define HCOMM_API_VERSION ((HCOMM_API_VERSION_MAJOR << 16) | HCOMM_API_VERSION_MINOR)
+
+/* The library's version (major << 16 | minor). */
+uint32_t hcomm_api_version(void);
+
+typedef enum hcomm_status {
+  HCOMM_OK = 0,
+  HCOMM_IN_PROGRESS = 1,          /* request not finished yet */
+  HCOMM_ERR_NO_RESOURCE = 2,      /* out of slots/keys/memory; retry later */
+  HCOMM_ERR_INVALID = 3,          /* bad argument: null, size, unregistered buffer, dtype */
+  HCOMM_ERR_NOT_FOUND = 4,        /* no such device / peer */
+  HCOMM_ERR_IO = 5,               /* a system call failed */
+  HCOMM_ERR_PROTOCOL = 6,         /* malformed message or key from a peer */
+  HCOMM_ERR_TIMEOUT = 7,          /* the timeout passed */
+  HCOMM_ERR_DEVICE = 8,           /* the device reported an error */
+  HCOMM_ERR_ACCESS = 9,           /* wrong, revoked or foreign remote key; missing right */
+  HCOMM_ERR_OUT_OF_RANGE = 10,    /* outside the registered / keyed range */
+  HCOMM_ERR_UNSUPPORTED = 11,     /* the engine cannot do this */
+  HCOMM_ERR_PEER_FAILURE = 12,    /* the peer exited or was killed */
+  HCOMM_ERR_CLOSED = 13,          /* the context is finalized */
+  HCOMM_ERR_TRUNCATED = 14,       /* the message was longer than the receive buffer */
+} hcomm_status_t;
+
+/* Static description of a status ("peer failure"). */
+const char* hcomm_strerror(hcomm_status_t status);
+/* The detailed message of the last failed call on this thread ("" if none). */
+const char* hcomm_last_error(void);
+
+typedef struct hcomm_context hcomm_context_t;
+typedef struct hcomm_mem hcomm_mem_t;
+typedef struct hcomm_rkey hcomm_rkey_t;
+typedef struct hcomm_request hcomm_request_t;
+
+typedef enum hcomm_engine {
+  HCOMM_ENGINE_AUTO = 0, /* NPU if one is reachable, else host; env HCOMM_ENGINE=host|npu overrides */
+  HCOMM_ENGINE_HOST = 1, /* host memory on one host: memcpy into mapped peer memory */
+  HCOMM_ENGINE_NPU = 2,  /* the NPU's DMA engines (hcomm-sim or a VFIO device) */
+} hcomm_engine_t;
+
+typedef struct hcomm_config {
+  size_t struct_size;       /* sizeof(hcomm_config_t) */
+  hcomm_engine_t engine;
+  int bootstrap_timeout_ms; /* default 30000 */
+  const char* device;       /* NPU engine: "sim:N" or a PCI address; NULL = sim:<local rank> */
+} hcomm_config_t;
+
+void hcomm_config_init(hcomm_config_t* config);
+
+/* Joins the job described by the environment (torchrun variables, Open MPI's
+ * mpirun, hcomm-run; none = a single rank). Collective. */
+hcomm_status_t hcomm_init(const hcomm_config_t* config, hcomm_context_t** ctx);
+/* Collective; completes or fails every outstanding request, frees ctx. */
+hcomm_status_t hcomm_finalize(hcomm_context_t* ctx);
+
+int hcomm_rank(const hcomm_context_t* ctx);
+int hcomm_size(const hcomm_context_t* ctx);
+/* "host" or "npu" */
+const char* hcomm_engine_name(const hcomm_context_t* ctx);
+/* Collective barrier. */
+hcomm_status_t hcomm_barrier(hcomm_context_t* ctx, int timeout_ms);
+
+/* ---- memory ---------------------------------------------------------------- */
+
+#define HCOMM_MEM_HOST 0u   /* host memory, shareable with peers */
+#define HCOMM_MEM_DEVICE 1u /* NPU memory (HBM); NPU engine only */
+
+#define HCOMM_ACCESS_REMOTE_READ 1u
+#define HCOMM_ACCESS_REMOTE_WRITE 2u
+#define HCOMM_ACCESS_REMOTE_ATOMIC 4u
+#define HCOMM_ACCESS_ALL 7u
+
+/* Allocates registered memory (zeroed). */
+hcomm_status_t hcomm_mem_alloc(hcomm_context_t* ctx, size_t size, unsigned kind, unsigned access,
+                               hcomm_mem_t** mem);
+/* Registers an existing host buffer. */
+hcomm_status_t hcomm_mem_register(hcomm_context_t* ctx, void* addr, size_t size, unsigned access,
+                                  hcomm_mem_t** mem);
+/* Revokes every key of mem (peers' later accesses fail with HCOMM_ERR_ACCESS),
+ * then frees / deregisters it. */
+hcomm_status_t hcomm_mem_release(hcomm_mem_t* mem);
+/* CPU address of the memory (device memory: its mapping through the HBM aperture). */
+void* hcomm_mem_ptr(const hcomm_mem_t* mem);
+size_t hcomm_mem_size(const hcomm_mem_t* mem);
+
+#define HCOMM_RKEY_MAX 128
+/* Serialises a remote key for mem (opaque, versioned, at most HCOMM_RKEY_MAX
+ * bytes) into buf; *len is in: capacity, out: bytes written. */
+hcomm_status_t hcomm_mem_rkey_pack(const hcomm_mem_t* mem, void* buf, size_t* len);
+/* Imports a key that `peer` packed. Validated against the peer's live
+ * registration table: a forged, stale or revoked key is HCOMM_ERR_ACCESS. */
+hcomm_status_t hcomm_rkey_import(hcomm_context_t* ctx, int peer, const void* buf, size_t len,
+                                 hcomm_rkey_t** rkey);
+size_t hcomm_rkey_size(const hcomm_rkey_t* rkey);
+hcomm_status_t hcomm_rkey_release(hcomm_rkey_t* rkey);
+
+/* ---- requests ------------------------------------------------------------------ */
+
+/* HCOMM_OK when done (and *done = 1), HCOMM_IN_PROGRESS (and *done = 0), or
+ * the request's error. Drives progress. */
+hcomm_status_t hcomm_test(hcomm_request_t* req, int* done);
+/* Waits up to timeout_ms (< 0: no limit is not allowed; use a large value). */
+hcomm_status_t hcomm_wait(hcomm_request_t* req, int timeout_ms);
+void hcomm_request_free(hcomm_request_t* req);
+/* Drives progress once (optional: every call does). */
+hcomm_status_t hcomm_progress(hcomm_context_t* ctx);
+
+/* ---- one-sided (the target takes no part) ---------------------------------------- */
+
+typedef enum hcomm_dtype {
+  HCOMM_INT8 = 0, HCOMM_INT16 = 1, HCOMM_INT32 = 2, HCOMM_INT64 = 3,
+  HCOMM_UINT8 = 4, HCOMM_UINT16 = 5, HCOMM_UINT32 = 6, HCOMM_UINT64 = 7,
+  HCOMM_FP16 = 8, HCOMM_BF16 = 9, HCOMM_FP32 = 10, HCOMM_FP64 = 11,
+} hcomm_dtype_t;
+size_t hcomm_dtype_size(hcomm_dtype_t dtype);
+
+typedef enum hcomm_op { HCOMM_SUM = 0, HCOMM_PROD = 1, HCOMM_MAX = 2, HCOMM_MIN = 3 } hcomm_op_t;
+
+/* `local` must lie inside memory registered on this context. The remote range
+ * is [remote_offset, remote_offset + len) of the key's memory. Blocking forms
+ * return once the operation completed at the target. */
+hcomm_status_t hcomm_put(hcomm_context_t* ctx, const void* local, size_t len, hcomm_rkey_t* rkey,
+                         uint64_t remote_offset, int timeout_ms);
+hcomm_status_t hcomm_get(hcomm_context_t* ctx, void* local, size_t len, hcomm_rkey_t* rkey,
+                         uint64_t remote_offset, int timeout_ms);
+/* remote[i] = remote[i] op local[i], element-wise atomic against other accumulates. */
+hcomm_status_t hcomm_accumulate(hcomm_context_t* ctx, const void* local, size_t count, hcomm_dtype_t dtype,
+                                hcomm_op_t op, hcomm_rkey_t* rkey, uint64_t remote_offset, int timeout_ms);
+/* Put, then store `value` into the 8-byte word at notify_offset of notify_rkey
+ * once the data is visible at the target. */
+hcomm_status_t hcomm_put_notify(hcomm_context_t* ctx, const void* local, size_t len, hcomm_rkey_t* rkey,
+                                uint64_t remote_offset, hcomm_rkey_t* notify_rkey, uint64_t notify_offset,
+                                uint64_t value, int timeout_ms);
+/* Target side: waits until the 8-byte word at offset of mem is >= value. */
+hcomm_status_t hcomm_notify_wait(hcomm_context_t* ctx, hcomm_mem_t* mem, uint64_t offset, uint64_t value,
+                                 int timeout_ms);
+hcomm_status_t hcomm_fetch_add(hcomm_context_t* ctx, hcomm_rkey_t* rkey, uint64_t remote_offset, uint64_t add,
+                               uint64_t* old_value, int timeout_ms);
+hcomm_status_t hcomm_compare_swap(hcomm_context_t* ctx, hcomm_rkey_t* rkey, uint64_t remote_offset,
+                                  uint64_t compare, uint64_t swap, uint64_t* old_value, int timeout_ms);
+
+/* Nonblocking forms: the request completes when the operation completed at the target. */
+hcomm_status_t hcomm_iput(hcomm_context_t* ctx, const void* local, size_t len, hcomm_rkey_t* rkey,
+                          uint64_t remote_offset, hcomm_request_t** req);
+hcomm_status_t hcomm_iget(hcomm_context_t* ctx, void* local, size_t len, hcomm_rkey_t* rkey,
+                          uint64_t remote_offset, hcomm_request_t** req);
+hcomm_status_t hcomm_iaccumulate(hcomm_context_t* ctx, const void* local, size_t count, hcomm_dtype_t dtype,
+                                 hcomm_op_t op, hcomm_rkey_t* rkey, uint64_t remote_offset,
+                                 hcomm_request_t** req);
+hcomm_status_t hcomm_iput_notify(hcomm_context_t* ctx, const void* local, size_t len, hcomm_rkey_t* rkey,
+                                 uint64_t remote_offset, hcomm_rkey_t* notify_rkey, uint64_t notify_offset,
+                                 uint64_t value, hcomm_request_t** req);
+/* *old_value is written when the request completes; it must stay valid until then. */
+hcomm_status_t hcomm_ifetch_add(hcomm_context_t* ctx, hcomm_rkey_t* rkey, uint64_t remote_offset, uint64_t add,
+                                uint64_t* old_value, hcomm_request_t** req);
+hcomm_status_t hcomm_icompare_swap(hcomm_context_t* ctx, hcomm_rkey_t* rkey, uint64_t remote_offset,
+                                   uint64_t compare, uint64_t swap, uint64_t* old_value, hcomm_request_t** req);
+
+/* Waits until every one-sided operation issued on ctx (peer = -1) or to
+ * `peer` completed at its target. */
+hcomm_status_t hcomm_flush(hcomm_context_t* ctx, int peer, int timeout_ms);
+/* Orders: every one-sided operation issued after the fence starts after every
+ * one issued before it completed. */
+hcomm_status_t hcomm_fence(hcomm_context_t* ctx);
+
+/* ---- two-sided ----------------------------------------------------------------- */
+
+#define HCOMM_ANY_SOURCE (-1)
+#define HCOMM_TAG_MASK_ALL UINT64_MAX
+
+typedef struct hcomm_recv_info {
+  int source;
+  uint64_t tag;
+  size_t length; /* bytes the sender sent (may exceed the buffer: HCOMM_ERR_TRUNCATED) */
+} hcomm_recv_info_t;
+
+/* A receive matches a message when (msg_tag & tag_mask) == (tag & tag_mask)
+ * and the source matches (or is HCOMM_ANY_SOURCE). Messages between one pair
+ * with matching tags are received in the order they were sent. */
+hcomm_status_t hcomm_send(hcomm_context_t* ctx, int dest, const void* buf, size_t len, uint64_t tag,
+                          int timeout_ms);
+hcomm_status_t hcomm_recv(hcomm_context_t* ctx, int source, void* buf, size_t len, uint64_t tag,
+                          uint64_t tag_mask, hcomm_recv_info_t* info, int timeout_ms);
+hcomm_status_t hcomm_isend(hcomm_context_t* ctx, int dest, const void* buf, size_t len, uint64_t tag,
+                           hcomm_request_t** req);
+hcomm_status_t hcomm_irecv(hcomm_context_t* ctx, int source, void* buf, size_t len, uint64_t tag,
+                           uint64_t tag_mask, hcomm_request_t** req);
+/* Info of a completed receive request. */
+hcomm_status_t hcomm_request_recv_info(const hcomm_request_t* req, hcomm_recv_info_t* info);
+/* Is a matching message waiting? *found = 1 and info filled if so. Nonblocking. */
+hcomm_status_t hcomm_probe(hcomm_context_t* ctx, int source, uint64_t tag, uint64_t tag_mask, int* found,
+                           hcomm_recv_info_t* info);
+/* Posts the receive and the send, then waits for both: a ring of ranks that
+ * each sendrecv to the next cannot deadlock. */
+hcomm_status_t hcomm_sendrecv(hcomm_context_t* ctx, int dest, const void* sbuf, size_t slen, uint64_t stag,
+                              int source, void* rbuf, size_t rlen, uint64_t rtag, uint64_t rtag_mask,
+                              hcomm_recv_info_t* info, int timeout_ms);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* HCOMM_HCOMM_H */
