@@ -1,0 +1,673 @@
+// The conformance suite of the primitives: every test runs on every engine
+// present (host; the simulated NPU through hcomm-sim) across 2 and 4
+// processes, and checks results element by element.
+#include <gtest/gtest.h>
+#include <hcomm/hcomm.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "tests/support/ranks.h"
+#include "tests/support/sim_process.h"
+
+namespace hcomm {
+namespace {
+
+using test::run_ranks;
+
+struct Param {
+  const char* engine;
+  int ranks;
+};
+std::string param_name(const ::testing::TestParamInfo<Param>& i) {
+  return std::string(i.param.engine) + "_" + std::to_string(i.param.ranks) + "ranks";
+}
+
+test::SimProcess* g_sim = nullptr;
+
+class Api : public ::testing::TestWithParam<Param> {
+ protected:
+  static void SetUpTestSuite() {
+    g_sim = new test::SimProcess();
+    std::string err = g_sim->start({"--devices", "4", "--hbm", "128M"});
+    if (!err.empty()) {
+      delete g_sim;
+      g_sim = nullptr;
+      FAIL() << err;
+    }
+  }
+  static void TearDownTestSuite() {
+    delete g_sim;
+    g_sim = nullptr;
+  }
+  bool npu() const { return std::string(GetParam().engine) == "npu"; }
+  void SetUp() override {
+    if (npu()) {
+      ASSERT_NE(g_sim, nullptr);
+      ASSERT_TRUE(g_sim->alive());
+      for (int d = 0; d < 4; ++d) ASSERT_EQ(g_sim->control("clear " + std::to_string(d)), "ok");
+    }
+  }
+  void run(const std::function<void(hcomm_context_t*, int, int)>& body, int timeout_s = 120,
+           std::vector<int> killed_ok = {}) {
+    std::vector<std::pair<std::string, std::string>> env = {{"HCOMM_ENGINE", GetParam().engine}};
+    if (g_sim != nullptr) env.emplace_back("HCOMM_SIM_DIR", g_sim->dir());
+    std::string err = run_ranks(
+        GetParam().ranks, env,
+        [&](int rank) {
+          hcomm_context_t* ctx = nullptr;
+          RCHECK_OK(hcomm_init(nullptr, &ctx));
+          RCHECK(std::string(hcomm_engine_name(ctx)) == GetParam().engine) << hcomm_engine_name(ctx);
+          RCHECK(hcomm_rank(ctx) == rank);
+          body(ctx, rank, hcomm_size(ctx));
+          RCHECK_OK(hcomm_finalize(ctx));
+        },
+        timeout_s, killed_ok);
+    EXPECT_EQ(err, "");
+  }
+};
+
+constexpr int T = 30000;  // ms: every wait in these tests is bounded
+
+// Everyone's key for `m`, by rank (keys[rank] is our own, imported too).
+std::vector<hcomm_rkey_t*> exchange_keys(hcomm_context_t* ctx, hcomm_mem_t* m, uint64_t tag) {
+  const int me = hcomm_rank(ctx), n = hcomm_size(ctx);
+  uint8_t mine[HCOMM_RKEY_MAX];
+  size_t len = sizeof mine;
+  RCHECK_OK(hcomm_mem_rkey_pack(m, mine, &len));
+  std::vector<hcomm_request_t*> sends;
+  for (int r = 0; r < n; ++r) {
+    if (r == me) continue;
+    hcomm_request_t* q = nullptr;
+    RCHECK_OK(hcomm_isend(ctx, r, mine, len, tag, &q));
+    sends.push_back(q);
+  }
+  std::vector<hcomm_rkey_t*> keys(n, nullptr);
+  for (int r = 0; r < n; ++r) {
+    uint8_t blob[HCOMM_RKEY_MAX];
+    size_t blen = len;
+    if (r == me) {
+      std::memcpy(blob, mine, len);
+    } else {
+      hcomm_recv_info_t info;
+      RCHECK_OK(hcomm_recv(ctx, r, blob, sizeof blob, tag, HCOMM_TAG_MASK_ALL, &info, T));
+      blen = info.length;
+    }
+    RCHECK_OK(hcomm_rkey_import(ctx, r, blob, blen, &keys[r]));
+  }
+  for (auto* q : sends) {
+    RCHECK_OK(hcomm_wait(q, T));
+    hcomm_request_free(q);
+  }
+  return keys;
+}
+
+void release_keys(std::vector<hcomm_rkey_t*>& keys) {
+  for (auto* k : keys) RCHECK_OK(hcomm_rkey_release(k));
+  keys.clear();
+}
+
+uint8_t pattern(int rank, size_t size, size_t i) { return static_cast<uint8_t>(rank * 31 + size * 7 + i * 13 + (i >> 9)); }
+
+// ---- two-sided ----------------------------------------------------------------------------
+
+TEST_P(Api, SendRecvEverySizeAroundTheRing) {
+  run([](hcomm_context_t* ctx, int me, int n) {
+    const int right = (me + 1) % n, left = (me + n - 1) % n;
+    const std::vector<size_t> sizes = {0, 1, 7, 4031, 4032, 4033, 65536, (1u << 20) + 5, 64u << 20};
+    std::vector<uint8_t> sbuf(64u << 20), rbuf(64u << 20);
+    for (size_t s : sizes) {
+      for (size_t i = 0; i < s; ++i) sbuf[i] = pattern(me, s, i);
+      std::memset(rbuf.data(), 0, std::min<size_t>(s + 1, rbuf.size()));
+      hcomm_recv_info_t info;
+      RCHECK_OK(hcomm_sendrecv(ctx, right, sbuf.data(), s, 100 + s, left, rbuf.data(), s, 100 + s,
+                               HCOMM_TAG_MASK_ALL, &info, T))
+          << "size " << s;
+      RCHECK(info.source == left && info.length == s && info.tag == 100 + s);
+      for (size_t i = 0; i < s; ++i) RCHECK(rbuf[i] == pattern(left, s, i)) << "size " << s << " byte " << i;
+    }
+  });
+}
+
+TEST_P(Api, SendRecvFromRegisteredMemoryMovesThroughTheEngine) {
+  run([](hcomm_context_t* ctx, int me, int n) {
+    const int right = (me + 1) % n, left = (me + n - 1) % n;
+    const size_t s = 8u << 20;
+    hcomm_mem_t *sm, *rm;
+    RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &sm));
+    RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &rm));
+    auto* sp = static_cast<uint8_t*>(hcomm_mem_ptr(sm));
+    auto* rp = static_cast<uint8_t*>(hcomm_mem_ptr(rm));
+    for (size_t i = 0; i < s; ++i) sp[i] = pattern(me, s, i);
+    RCHECK_OK(hcomm_sendrecv(ctx, right, sp, s, 1, left, rp, s, 1, HCOMM_TAG_MASK_ALL, nullptr, T));
+    for (size_t i = 0; i < s; ++i) RCHECK(rp[i] == pattern(left, s, i)) << "byte " << i;
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    RCHECK_OK(hcomm_mem_release(sm));
+    RCHECK_OK(hcomm_mem_release(rm));
+  });
+}
+
+TEST_P(Api, TagsMasksAnySourceProbeAndUnexpectedOrder) {
+  run([](hcomm_context_t* ctx, int me, int n) {
+    const int msgs = 20;
+    if (me != 0) {
+      // Sent before rank 0 posts anything: they sit in its unexpected queue.
+      for (int i = 0; i < msgs; ++i) {
+        uint64_t v[2] = {static_cast<uint64_t>(me), static_cast<uint64_t>(i)};
+        uint64_t tag = (uint64_t{0xab} << 56) | (static_cast<uint64_t>(i % 2) << 8) | static_cast<uint64_t>(me);
+        RCHECK_OK(hcomm_send(ctx, 0, v, sizeof v, tag, T));
+      }
+      RCHECK_OK(hcomm_barrier(ctx, T));
+    } else {
+      RCHECK_OK(hcomm_barrier(ctx, T));
+      int found = 0;
+      hcomm_recv_info_t info;
+      for (int tries = 0; tries < 10000 && !found; ++tries)
+        RCHECK_OK(hcomm_probe(ctx, HCOMM_ANY_SOURCE, 0, 0, &found, &info));
+      RCHECK(found == 1 && info.length == 16);
+      RCHECK_OK(hcomm_probe(ctx, 1, uint64_t{0xcd} << 56, uint64_t{0xff} << 56, &found, &info));
+      RCHECK(found == 0) << "no message has top byte 0xcd";
+      // Odd messages only (bit 8 set), from any source, in per-sender order.
+      std::vector<int> next(n, 1);
+      for (int k = 0; k < (n - 1) * msgs / 2; ++k) {
+        uint64_t v[2];
+        RCHECK_OK(hcomm_recv(ctx, HCOMM_ANY_SOURCE, v, sizeof v, uint64_t{1} << 8, uint64_t{1} << 8, &info, T));
+        RCHECK(info.source >= 1 && info.source < n && v[0] == static_cast<uint64_t>(info.source));
+        RCHECK(v[1] == static_cast<uint64_t>(next[info.source])) << "order from " << info.source;
+        next[info.source] += 2;
+        RCHECK((info.tag & 0xff) == static_cast<uint64_t>(info.source));
+      }
+      // Then the even ones, from each source explicitly, exact tag.
+      for (int src = 1; src < n; ++src) {
+        for (int i = 0; i < msgs; i += 2) {
+          uint64_t v[2];
+          uint64_t tag = (uint64_t{0xab} << 56) | static_cast<uint64_t>(src);
+          RCHECK_OK(hcomm_recv(ctx, src, v, sizeof v, tag, HCOMM_TAG_MASK_ALL, &info, T));
+          RCHECK(v[0] == static_cast<uint64_t>(src) && v[1] == static_cast<uint64_t>(i));
+        }
+      }
+      RCHECK_OK(hcomm_probe(ctx, HCOMM_ANY_SOURCE, 0, 0, &found, &info));
+      RCHECK(found == 0) << "everything was received";
+    }
+  });
+}
+
+TEST_P(Api, TruncationIsReportedWithTheFullLength) {
+  run([](hcomm_context_t* ctx, int me, int n) {
+    (void)n;
+    for (size_t s : {size_t{100}, size_t{200000}}) {
+      if (me == 1) {
+        std::vector<uint8_t> b(s, 0x42);
+        RCHECK_OK(hcomm_send(ctx, 0, b.data(), s, 9, T));
+      } else if (me == 0) {
+        std::vector<uint8_t> b(s / 2 + 1, 0);
+        hcomm_recv_info_t info;
+        RCHECK_EQ_STATUS(hcomm_recv(ctx, 1, b.data(), s / 2, 9, HCOMM_TAG_MASK_ALL, &info, T), HCOMM_ERR_TRUNCATED);
+        RCHECK(info.length == s) << info.length;
+        RCHECK(b[s / 2 - 1] == 0x42 && b[s / 2] == 0) << "wrote past the buffer";
+      }
+    }
+  });
+}
+
+TEST_P(Api, NonblockingManyOutstanding) {
+  run([](hcomm_context_t* ctx, int me, int n) {
+    const int k = 200;  // more than the 64 channel slots
+    const int right = (me + 1) % n, left = (me + n - 1) % n;
+    std::vector<uint32_t> out(k), in(k, 0);
+    std::vector<hcomm_request_t*> reqs;
+    for (int i = 0; i < k; ++i) {
+      out[i] = static_cast<uint32_t>(me * 100000 + i);
+      hcomm_request_t* s;
+      RCHECK_OK(hcomm_isend(ctx, right, &out[i], 4, static_cast<uint64_t>(i), &s));
+      reqs.push_back(s);
+    }
+    for (int i = k - 1; i >= 0; --i) {  // posted in reverse order: tags still match the right ones
+      hcomm_request_t* r;
+      RCHECK_OK(hcomm_irecv(ctx, left, &in[i], 4, static_cast<uint64_t>(i), HCOMM_TAG_MASK_ALL, &r));
+      reqs.push_back(r);
+    }
+    for (auto* r : reqs) {
+      RCHECK_OK(hcomm_wait(r, T));
+      hcomm_request_free(r);
+    }
+    for (int i = 0; i < k; ++i) RCHECK(in[i] == static_cast<uint32_t>(left * 100000 + i)) << i;
+  });
+}
+
+// ---- one-sided ----------------------------------------------------------------------------
+
+TEST_P(Api, PutGetEverySize) {
+  run([](hcomm_context_t* ctx, int me, int n) {
+    const size_t win = (64u << 20) + 64;
+    hcomm_mem_t *w, *l;
+    RCHECK_OK(hcomm_mem_alloc(ctx, win, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
+    RCHECK_OK(hcomm_mem_alloc(ctx, win, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
+    auto keys = exchange_keys(ctx, w, 1);
+    auto* lp = static_cast<uint8_t*>(hcomm_mem_ptr(l));
+    auto* wp = static_cast<uint8_t*>(hcomm_mem_ptr(w));
+    const int right = (me + 1) % n, left = (me + n - 1) % n;
+    for (size_t s : {size_t{1}, size_t{8}, size_t{4097}, size_t{1} << 20, size_t{64} << 20}) {
+      const size_t off = s % 64;
+      for (size_t i = 0; i < s; ++i) lp[i] = pattern(me, s, i);
+      RCHECK_OK(hcomm_put(ctx, lp, s, keys[right], off, T)) << "size " << s;
+      RCHECK_OK(hcomm_barrier(ctx, T));
+      for (size_t i = 0; i < s; ++i) RCHECK(wp[off + i] == pattern(left, s, i)) << "put size " << s << " byte " << i;
+      std::memset(lp, 0, s);
+      RCHECK_OK(hcomm_get(ctx, lp, s, keys[right], off, T));
+      for (size_t i = 0; i < s; ++i) RCHECK(lp[i] == pattern(me, s, i)) << "get size " << s << " byte " << i;
+      RCHECK_OK(hcomm_barrier(ctx, T));
+    }
+    release_keys(keys);
+    RCHECK_OK(hcomm_mem_release(w));
+    RCHECK_OK(hcomm_mem_release(l));
+  });
+}
+
+template <typename V>
+void fill_vals(std::vector<V>& v, int who, int salt) {
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<V>(static_cast<int>((i * 7 + who * 3 + salt) % 5) + 1);
+}
+
+// Accumulate from every rank into rank 0, concurrently, for every dtype and op.
+TEST_P(Api, AccumulateEveryDtypeAndOpFromAllRanksAtOnce) {
+  run([](hcomm_context_t* ctx, int me, int n) {
+    const size_t count = 4096;
+    hcomm_mem_t *w, *l;
+    RCHECK_OK(hcomm_mem_alloc(ctx, count * 8, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
+    RCHECK_OK(hcomm_mem_alloc(ctx, count * 8, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
+    auto keys = exchange_keys(ctx, w, 2);
+    auto* wp = static_cast<uint8_t*>(hcomm_mem_ptr(w));
+    auto* lp = static_cast<uint8_t*>(hcomm_mem_ptr(l));
+    for (int dt = HCOMM_INT8; dt <= HCOMM_FP64; ++dt) {
+      for (int op = HCOMM_SUM; op <= HCOMM_MIN; ++op) {
+        const size_t es = hcomm_dtype_size(static_cast<hcomm_dtype_t>(dt));
+        // Values 1..5 (exact in every type); expected results in double.
+        auto val = [&](int who, size_t i) { return static_cast<double>((i * 7 + who * 3 + dt + op) % 5 + 1); };
+        auto store = [&](uint8_t* p, size_t i, double v) {
+          switch (dt) {
+            case HCOMM_INT8: { int8_t x = static_cast<int8_t>(v); std::memcpy(p + i * es, &x, es); break; }
+            case HCOMM_UINT8: { uint8_t x = static_cast<uint8_t>(v); std::memcpy(p + i * es, &x, es); break; }
+            case HCOMM_INT16: { int16_t x = static_cast<int16_t>(v); std::memcpy(p + i * es, &x, es); break; }
+            case HCOMM_UINT16: { uint16_t x = static_cast<uint16_t>(v); std::memcpy(p + i * es, &x, es); break; }
+            case HCOMM_INT32: { int32_t x = static_cast<int32_t>(v); std::memcpy(p + i * es, &x, es); break; }
+            case HCOMM_UINT32: { uint32_t x = static_cast<uint32_t>(v); std::memcpy(p + i * es, &x, es); break; }
+            case HCOMM_INT64: { int64_t x = static_cast<int64_t>(v); std::memcpy(p + i * es, &x, es); break; }
+            case HCOMM_UINT64: { uint64_t x = static_cast<uint64_t>(v); std::memcpy(p + i * es, &x, es); break; }
+            case HCOMM_FP32: { float x = static_cast<float>(v); std::memcpy(p + i * es, &x, es); break; }
+            case HCOMM_FP64: { double x = v; std::memcpy(p + i * es, &x, es); break; }
+            case HCOMM_FP16: { _Float16 x = static_cast<_Float16>(v); std::memcpy(p + i * es, &x, es); break; }
+            case HCOMM_BF16: { float f = static_cast<float>(v); uint32_t u; std::memcpy(&u, &f, 4);
+                               uint16_t b = static_cast<uint16_t>(u >> 16); std::memcpy(p + i * es, &b, es); break; }
+          }
+        };
+        auto load = [&](const uint8_t* p, size_t i) -> double {
+          switch (dt) {
+            case HCOMM_INT8: { int8_t x; std::memcpy(&x, p + i * es, es); return x; }
+            case HCOMM_UINT8: { uint8_t x; std::memcpy(&x, p + i * es, es); return x; }
+            case HCOMM_INT16: { int16_t x; std::memcpy(&x, p + i * es, es); return x; }
+            case HCOMM_UINT16: { uint16_t x; std::memcpy(&x, p + i * es, es); return x; }
+            case HCOMM_INT32: { int32_t x; std::memcpy(&x, p + i * es, es); return x; }
+            case HCOMM_UINT32: { uint32_t x; std::memcpy(&x, p + i * es, es); return x; }
+            case HCOMM_INT64: { int64_t x; std::memcpy(&x, p + i * es, es); return static_cast<double>(x); }
+            case HCOMM_UINT64: { uint64_t x; std::memcpy(&x, p + i * es, es); return static_cast<double>(x); }
+            case HCOMM_FP32: { float x; std::memcpy(&x, p + i * es, es); return x; }
+            case HCOMM_FP64: { double x; std::memcpy(&x, p + i * es, es); return x; }
+            case HCOMM_FP16: { _Float16 x; std::memcpy(&x, p + i * es, es); return static_cast<double>(x); }
+            case HCOMM_BF16: { uint16_t b; std::memcpy(&b, p + i * es, es); uint32_t u = uint32_t{b} << 16; float f;
+                               std::memcpy(&f, &u, 4); return f; }
+          }
+          return 0;
+        };
+        if (me == 0) for (size_t i = 0; i < count; ++i) store(wp, i, val(0, i));
+        for (size_t i = 0; i < count; ++i) store(lp, i, val(me, i));
+        RCHECK_OK(hcomm_barrier(ctx, T));
+        if (me != 0) {
+          RCHECK_OK(hcomm_accumulate(ctx, lp, count, static_cast<hcomm_dtype_t>(dt), static_cast<hcomm_op_t>(op),
+                                     keys[0], 0, T))
+              << "dtype " << dt << " op " << op;
+        }
+        RCHECK_OK(hcomm_barrier(ctx, T));
+        if (me == 0) {
+          for (size_t i = 0; i < count; ++i) {
+            double want = val(0, i);
+            for (int r = 1; r < n; ++r) {
+              double v = val(r, i);
+              want = op == HCOMM_SUM ? want + v : op == HCOMM_PROD ? want * v : op == HCOMM_MAX ? std::max(want, v) : std::min(want, v);
+            }
+            RCHECK(load(wp, i) == want) << "dtype " << dt << " op " << op << " i " << i << ": " << load(wp, i)
+                                        << " != " << want;
+          }
+        }
+        RCHECK_OK(hcomm_barrier(ctx, T));
+      }
+    }
+    release_keys(keys);
+    RCHECK_OK(hcomm_mem_release(w));
+    RCHECK_OK(hcomm_mem_release(l));
+  });
+}
+
+TEST_P(Api, PutWithNotifyAndNonblockingFlushFence) {
+  run([](hcomm_context_t* ctx, int me, int n) {
+    const size_t s = 1u << 20;
+    hcomm_mem_t *w, *l, *flag;
+    RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
+    RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
+    RCHECK_OK(hcomm_mem_alloc(ctx, 64, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &flag));
+    auto wk = exchange_keys(ctx, w, 3);
+    auto fk = exchange_keys(ctx, flag, 4);
+    const int right = (me + 1) % n, left = (me + n - 1) % n;
+    auto* lp = static_cast<uint8_t*>(hcomm_mem_ptr(l));
+    auto* wp = static_cast<uint8_t*>(hcomm_mem_ptr(w));
+    for (uint64_t step = 1; step <= 5; ++step) {
+      for (size_t i = 0; i < s; ++i) lp[i] = pattern(me, step, i);
+      RCHECK_OK(hcomm_put_notify(ctx, lp, s, wk[right], 0, fk[right], 8, step, T));
+      RCHECK_OK(hcomm_notify_wait(ctx, flag, 8, step, T)) << "step " << step;
+      for (size_t i = 0; i < s; i += 97) RCHECK(wp[i] == pattern(left, step, i)) << "data behind the notify, step " << step;
+      RCHECK_OK(hcomm_barrier(ctx, T));  // the left neighbour may overwrite only after we checked
+    }
+    // Nonblocking puts into disjoint slices, a fence, an overlapping put, a flush.
+    std::vector<hcomm_request_t*> reqs;
+    for (int i = 0; i < 16; ++i) {
+      std::memset(lp + i * 4096, i + 1, 4096);
+      hcomm_request_t* r;
+      RCHECK_OK(hcomm_iput(ctx, lp + i * 4096, 4096, wk[right], static_cast<uint64_t>(i) * 4096, &r));
+      reqs.push_back(r);
+    }
+    RCHECK_OK(hcomm_fence(ctx));
+    std::memset(lp + 65536, 0x77, 4096);
+    RCHECK_OK(hcomm_put(ctx, lp + 65536, 4096, wk[right], 0, T));  // after the fence: lands last
+    RCHECK_OK(hcomm_flush(ctx, -1, T));
+    for (auto* r : reqs) {
+      int done = 0;
+      RCHECK_OK(hcomm_test(r, &done));
+      RCHECK(done == 1) << "flush returned with a put still in flight";
+      hcomm_request_free(r);
+    }
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    RCHECK(wp[0] == 0x77 && wp[4095] == 0x77) << "the fenced put did not land last";
+    for (int i = 1; i < 16; ++i) RCHECK(wp[i * 4096] == i + 1 && wp[i * 4096 + 4095] == i + 1) << i;
+    // Nonblocking get.
+    hcomm_request_t* g;
+    RCHECK_OK(hcomm_iget(ctx, lp, 4096, wk[right], 4096, &g));
+    RCHECK_OK(hcomm_wait(g, T));
+    hcomm_request_free(g);
+    RCHECK(lp[0] == 2);
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    release_keys(wk);
+    release_keys(fk);
+    RCHECK_OK(hcomm_mem_release(w));
+    RCHECK_OK(hcomm_mem_release(l));
+    RCHECK_OK(hcomm_mem_release(flag));
+  });
+}
+
+TEST_P(Api, FetchAddAndCompareSwapAreAtomicAcrossRanks) {
+  run([](hcomm_context_t* ctx, int me, int n) {
+    hcomm_mem_t* w;
+    RCHECK_OK(hcomm_mem_alloc(ctx, 4096, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
+    auto keys = exchange_keys(ctx, w, 5);
+    const int k = 300;
+    std::vector<uint64_t> olds;
+    for (int i = 0; i < k; ++i) {
+      uint64_t old = 0;
+      RCHECK_OK(hcomm_fetch_add(ctx, keys[0], 64, 1, &old, T));
+      olds.push_back(old);
+    }
+    for (size_t i = 1; i < olds.size(); ++i) RCHECK(olds[i] > olds[i - 1]) << "fetch_add results not increasing";
+    // A lock by compare-swap: each rank takes it once, increments a plain word, releases.
+    for (;;) {
+      uint64_t old = 0;
+      RCHECK_OK(hcomm_compare_swap(ctx, keys[0], 128, 0, static_cast<uint64_t>(me) + 1, &old, T));
+      if (old == 0) break;
+    }
+    uint64_t v = 0, old = 0;
+    RCHECK_OK(hcomm_fetch_add(ctx, keys[0], 192, 0, &v, T));  // read
+    RCHECK_OK(hcomm_compare_swap(ctx, keys[0], 192, v, v + 1, &old, T));
+    RCHECK(old == v) << "the lock did not exclude others";
+    RCHECK_OK(hcomm_compare_swap(ctx, keys[0], 128, static_cast<uint64_t>(me) + 1, 0, &old, T));
+    RCHECK(old == static_cast<uint64_t>(me) + 1);
+    // Nonblocking fetch_add.
+    uint64_t nb_old = 0;
+    hcomm_request_t* r;
+    RCHECK_OK(hcomm_ifetch_add(ctx, keys[0], 256, 5, &nb_old, &r));
+    RCHECK_OK(hcomm_wait(r, T));
+    hcomm_request_free(r);
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    if (me == 0) {
+      auto* p = static_cast<uint64_t*>(hcomm_mem_ptr(w));
+      RCHECK(p[8] == static_cast<uint64_t>(k) * n) << p[8];
+      RCHECK(p[24] == static_cast<uint64_t>(n));
+      RCHECK(p[16] == 0);
+      RCHECK(p[32] == 5u * n);
+    }
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    release_keys(keys);
+    RCHECK_OK(hcomm_mem_release(w));
+  });
+}
+
+// ---- keys and misuse --------------------------------------------------------------------------
+
+TEST_P(Api, RemoteKeysAreCheckedOnEveryAccess) {
+  run([](hcomm_context_t* ctx, int me, int n) {
+    const int right = (me + 1) % n;
+    hcomm_mem_t *w, *ro, *l;
+    RCHECK_OK(hcomm_mem_alloc(ctx, 65536, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
+    RCHECK_OK(hcomm_mem_alloc(ctx, 65536, HCOMM_MEM_HOST, HCOMM_ACCESS_REMOTE_READ, &ro));
+    RCHECK_OK(hcomm_mem_alloc(ctx, 65536, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
+    std::memset(hcomm_mem_ptr(w), 0x11, 65536);
+    std::memset(hcomm_mem_ptr(ro), 0x22, 65536);
+    auto wk = exchange_keys(ctx, w, 6);
+    auto rk = exchange_keys(ctx, ro, 7);
+    auto* lp = static_cast<uint8_t*>(hcomm_mem_ptr(l));
+    // Out of bounds, missing right, unregistered local buffer, nulls, bad dtype.
+    RCHECK_EQ_STATUS(hcomm_put(ctx, lp, 8, wk[right], 65536 - 4, T), HCOMM_ERR_OUT_OF_RANGE);
+    RCHECK_EQ_STATUS(hcomm_get(ctx, lp, 65537, wk[right], 0, T), HCOMM_ERR_OUT_OF_RANGE);
+    RCHECK_EQ_STATUS(hcomm_put(ctx, lp, 8, wk[right], UINT64_MAX - 2, T), HCOMM_ERR_OUT_OF_RANGE);
+    RCHECK_EQ_STATUS(hcomm_put(ctx, lp, 8, rk[right], 0, T), HCOMM_ERR_ACCESS);
+    RCHECK_OK(hcomm_get(ctx, lp, 8, rk[right], 0, T));
+    RCHECK(lp[0] == 0x22);
+    uint64_t old;
+    RCHECK_EQ_STATUS(hcomm_fetch_add(ctx, rk[right], 0, 1, &old, T), HCOMM_ERR_ACCESS);
+    RCHECK_EQ_STATUS(hcomm_fetch_add(ctx, wk[right], 4, 1, &old, T), HCOMM_ERR_INVALID) << "misaligned atomic";
+    uint8_t stack[64];
+    RCHECK_EQ_STATUS(hcomm_put(ctx, stack, 8, wk[right], 0, T), HCOMM_ERR_INVALID) << "unregistered local buffer";
+    RCHECK_EQ_STATUS(hcomm_put(ctx, nullptr, 8, wk[right], 0, T), HCOMM_ERR_INVALID);
+    RCHECK_EQ_STATUS(hcomm_put(ctx, lp, 0, wk[right], 0, T), HCOMM_ERR_INVALID);
+    RCHECK_EQ_STATUS(hcomm_put(ctx, lp, 8, nullptr, 0, T), HCOMM_ERR_INVALID);
+    RCHECK_EQ_STATUS(hcomm_accumulate(ctx, lp, 4, static_cast<hcomm_dtype_t>(42), HCOMM_SUM, wk[right], 0, T),
+                     HCOMM_ERR_INVALID);
+    RCHECK_EQ_STATUS(hcomm_accumulate(ctx, lp, 4, HCOMM_FP32, HCOMM_SUM, wk[right], 2, T), HCOMM_ERR_INVALID)
+        << "accumulate offset not a multiple of the element size";
+    RCHECK_EQ_STATUS(hcomm_send(ctx, n + 3, lp, 8, 0, T), HCOMM_ERR_INVALID);
+    RCHECK_EQ_STATUS(hcomm_mem_alloc(ctx, 0, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l), HCOMM_ERR_INVALID);
+    // Forged and foreign keys.
+    uint8_t blob[HCOMM_RKEY_MAX];
+    size_t len = sizeof blob;
+    RCHECK_OK(hcomm_mem_rkey_pack(w, blob, &len));
+    hcomm_rkey_t* k = nullptr;
+    RCHECK_EQ_STATUS(hcomm_rkey_import(ctx, right, blob, len, &k), HCOMM_ERR_ACCESS) << "our key presented as right's";
+    RCHECK_EQ_STATUS(hcomm_rkey_import(ctx, me, blob, len - 1, &k), HCOMM_ERR_PROTOCOL);
+    uint8_t bad[HCOMM_RKEY_MAX];
+    std::memcpy(bad, blob, len);
+    bad[0] ^= 0xff;
+    RCHECK_EQ_STATUS(hcomm_rkey_import(ctx, me, bad, len, &k), HCOMM_ERR_PROTOCOL);
+    std::memcpy(bad, blob, len);
+    bad[16] ^= 0x01;  // generation
+    RCHECK_EQ_STATUS(hcomm_rkey_import(ctx, me, bad, len, &k), HCOMM_ERR_ACCESS);
+    std::memcpy(bad, blob, len);
+    bad[24] ^= 0x40;  // size: claim more than registered
+    RCHECK_EQ_STATUS(hcomm_rkey_import(ctx, me, bad, len, &k), HCOMM_ERR_ACCESS);
+    // Revocation: everyone releases `w`; the others' keys for it stop working.
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    RCHECK_OK(hcomm_mem_release(w));
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    RCHECK_EQ_STATUS(hcomm_put(ctx, lp, 8, wk[right], 0, T), HCOMM_ERR_ACCESS) << "revoked key still works";
+    RCHECK_EQ_STATUS(hcomm_get(ctx, lp, 8, wk[right], 0, T), HCOMM_ERR_ACCESS);
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    release_keys(wk);
+    release_keys(rk);
+    RCHECK_OK(hcomm_mem_release(ro));
+    RCHECK_OK(hcomm_mem_release(l));
+  });
+}
+
+TEST_P(Api, RegisteredUserMemory) {
+  const bool is_npu = npu();
+  run([is_npu](hcomm_context_t* ctx, int me, int n) {
+    std::vector<uint64_t> mine(8192, 0);
+    hcomm_mem_t* m = nullptr;
+    hcomm_status_t st = hcomm_mem_register(ctx, mine.data(), mine.size() * 8, HCOMM_ACCESS_ALL, &m);
+    if (is_npu) {
+      // Over vfio-user the device can only DMA fd-backed memory: a clear status.
+      RCHECK(st == HCOMM_ERR_UNSUPPORTED) << hcomm_strerror(st);
+      RCHECK(std::strstr(hcomm_last_error(), "hcomm_mem_alloc") != nullptr) << hcomm_last_error();
+      return;
+    }
+    RCHECK_OK(st);
+    hcomm_mem_t* l;
+    RCHECK_OK(hcomm_mem_alloc(ctx, 8192 * 8, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
+    auto keys = exchange_keys(ctx, m, 8);
+    const int right = (me + 1) % n, left = (me + n - 1) % n;
+    auto* lp = static_cast<uint64_t*>(hcomm_mem_ptr(l));
+    for (int i = 0; i < 8192; ++i) lp[i] = static_cast<uint64_t>(me) * 1000000 + i;
+    RCHECK_OK(hcomm_put(ctx, lp, 8192 * 8, keys[right], 0, T));
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    for (int i = 0; i < 8192; ++i) RCHECK(mine[i] == static_cast<uint64_t>(left) * 1000000 + i) << i;
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    for (int i = 0; i < 8192; ++i) lp[i] = 1;
+    RCHECK_OK(hcomm_accumulate(ctx, lp, 8192, HCOMM_UINT64, HCOMM_SUM, keys[0], 0, T));
+    uint64_t old;
+    RCHECK_OK(hcomm_fetch_add(ctx, keys[0], 8, 10, &old, T));
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    if (me == 0) {
+      RCHECK(mine[0] == static_cast<uint64_t>(n - 1) * 1000000 + n) << mine[0];
+      RCHECK(mine[1] == static_cast<uint64_t>(n - 1) * 1000000 + 1 + n + 10u * n) << mine[1];
+    }
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    release_keys(keys);
+    RCHECK_OK(hcomm_mem_release(m));
+    RCHECK_OK(hcomm_mem_release(l));
+  });
+}
+
+TEST_P(Api, DeviceMemory) {
+  const bool is_npu = npu();
+  run([is_npu](hcomm_context_t* ctx, int me, int n) {
+    hcomm_mem_t* d = nullptr;
+    hcomm_status_t st = hcomm_mem_alloc(ctx, 1u << 20, HCOMM_MEM_DEVICE, HCOMM_ACCESS_ALL, &d);
+    if (!is_npu) {
+      RCHECK(st == HCOMM_ERR_UNSUPPORTED) << hcomm_strerror(st);
+      return;
+    }
+    RCHECK_OK(st);
+    RCHECK(hcomm_mem_ptr(d) != nullptr) << "HBM should be CPU-visible through BAR2";
+    hcomm_mem_t* l;
+    RCHECK_OK(hcomm_mem_alloc(ctx, 1u << 20, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
+    auto keys = exchange_keys(ctx, d, 9);
+    const int right = (me + 1) % n, left = (me + n - 1) % n;
+    auto* lp = static_cast<float*>(hcomm_mem_ptr(l));
+    for (int i = 0; i < (1 << 18); ++i) lp[i] = static_cast<float>(me + 1);
+    // Into the right neighbour's HBM over the fabric, then accumulate on top.
+    RCHECK_OK(hcomm_put(ctx, lp, 1u << 20, keys[right], 0, T));
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    RCHECK_OK(hcomm_accumulate(ctx, lp, 1u << 18, HCOMM_FP32, HCOMM_SUM, keys[right], 0, T));
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    auto* dp = static_cast<float*>(hcomm_mem_ptr(d));
+    for (int i = 0; i < (1 << 18); i += 101) RCHECK(dp[i] == 2.0f * (left + 1)) << i << ": " << dp[i];
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    release_keys(keys);
+    RCHECK_OK(hcomm_mem_release(d));
+    RCHECK_OK(hcomm_mem_release(l));
+  });
+}
+
+// ---- failure -------------------------------------------------------------------------------------
+
+TEST_P(Api, KilledPeerFailsPendingRequestsInsteadOfHanging) {
+  run(
+      [](hcomm_context_t* ctx, int me, int n) {
+        RCHECK_OK(hcomm_barrier(ctx, T));
+        if (me == n - 1) {
+          ::kill(::getpid(), SIGKILL);  // vanish mid-job, no finalize
+        }
+        // Everyone else waits for a message the dead rank will never send.
+        uint64_t v;
+        hcomm_recv_info_t info;
+        RCHECK_EQ_STATUS(hcomm_recv(ctx, n - 1, &v, 8, 1, HCOMM_TAG_MASK_ALL, &info, 20000), HCOMM_ERR_PEER_FAILURE);
+        RCHECK(std::strstr(hcomm_last_error(), "rank") != nullptr) << hcomm_last_error();
+        RCHECK_EQ_STATUS(hcomm_send(ctx, n - 1, &v, 8, 1, T), HCOMM_ERR_PEER_FAILURE);
+        // Survivors still talk to each other.
+        if (n > 2) {
+          const int m = n - 1;  // survivors 0..m-1
+          const int right = (me + 1) % m, left = (me + m - 1) % m;
+          uint64_t out = static_cast<uint64_t>(me), in = 99;
+          RCHECK_OK(hcomm_sendrecv(ctx, right, &out, 8, 2, left, &in, 8, 2, HCOMM_TAG_MASK_ALL, nullptr, T));
+          RCHECK(in == static_cast<uint64_t>(left));
+        }
+        // finalize's barrier cannot complete with a dead rank: it reports it.
+        hcomm_status_t st = hcomm_finalize(ctx);
+        RCHECK(st != HCOMM_OK);
+        ::_exit(0);
+      },
+      90, {GetParam().ranks - 1});
+}
+
+// The simulator's fault injection reaches the API as clear statuses (NPU only).
+TEST_P(Api, InjectedDeviceFaultsSurfaceAndCorruptionIsCaught) {
+  if (!npu()) GTEST_SKIP() << "fault injection is a simulator feature";
+  test::SimProcess* sim = g_sim;
+  run([sim](hcomm_context_t* ctx, int me, int n) {
+    const int right = (me + 1) % n, left = (me + n - 1) % n;
+    hcomm_mem_t *w, *l;
+    RCHECK_OK(hcomm_mem_alloc(ctx, 65536, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
+    RCHECK_OK(hcomm_mem_alloc(ctx, 65536, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
+    auto keys = exchange_keys(ctx, w, 10);
+    auto* lp = static_cast<uint8_t*>(hcomm_mem_ptr(l));
+    auto* wp = static_cast<uint8_t*>(hcomm_mem_ptr(w));
+    for (int i = 0; i < 65536; ++i) lp[i] = static_cast<uint8_t>(i * 3 + me);
+    if (me == 0) {
+      RCHECK(sim->control("fail 0 1") == "ok");  // rank 0 drives device 0
+    }
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    hcomm_status_t st = hcomm_put(ctx, lp, 65536, keys[right], 0, T);
+    if (me == 0) {
+      RCHECK(st == HCOMM_ERR_DEVICE) << hcomm_strerror(st);
+      RCHECK(std::strstr(hcomm_last_error(), "INJECTED") != nullptr) << hcomm_last_error();
+      RCHECK_OK(hcomm_put(ctx, lp, 65536, keys[right], 0, T)) << "the engine recovers";
+    } else {
+      RCHECK_OK(st);
+    }
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    for (int i = 0; i < 65536; ++i) RCHECK(wp[i] == static_cast<uint8_t>(i * 3 + left)) << i;
+    // Silent corruption: the put "succeeds"; checking the data catches it.
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    if (me == 0) {
+      RCHECK(sim->control("corrupt 0 1") == "ok");
+    }
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    for (int i = 0; i < 65536; ++i) lp[i] = static_cast<uint8_t>(i * 5 + me);
+    RCHECK_OK(hcomm_put(ctx, lp, 65536, keys[right], 0, T));
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    int bad = 0;
+    for (int i = 0; i < 65536; ++i) bad += wp[i] != static_cast<uint8_t>(i * 5 + left);
+    RCHECK(bad == (left == 0 ? 1 : 0)) << bad << " corrupted bytes from rank " << left;
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    release_keys(keys);
+    RCHECK_OK(hcomm_mem_release(w));
+    RCHECK_OK(hcomm_mem_release(l));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, Api,
+                         ::testing::Values(Param{"host", 2}, Param{"host", 4}, Param{"npu", 2}, Param{"npu", 4}),
+                         param_name);
+
+}  // namespace
+}  // namespace hcomm
