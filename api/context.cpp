@@ -228,6 +228,8 @@ Status Context::exchange_segments(const Deadline& dl) {
 }
 
 Context::~Context() {
+  for (auto& [key, k] : _rndv_keys) (void)rkey_release(k);
+  _rndv_keys.clear();
   _q.reset();
   if (_dev) {
     if (_scratch_map.valid()) (void)_dev->unmap(&_scratch_map);
@@ -240,8 +242,19 @@ Context::~Context() {
   for (auto& [p, len] : _maps) ::munmap(p, len);
 }
 
+// Control messages we owe peers (FINs that found the channel full) must go
+// out before we block in a collective that makes no channel progress:
+// a peer's send may be waiting on exactly that FIN.
+void Context::flush_owed(const Deadline& dl) {
+  while (!_fin_backlog.empty() && !dl.expired()) {
+    progress();
+    if (!_fin_backlog.empty()) cpu_relax();
+  }
+}
+
 Status Context::barrier(const Deadline& dl) {
   if (_finalized) return Status::error(Code::closed, "context finalized");
+  flush_owed(dl);
   return _boot->barrier(dl);
 }
 
@@ -249,7 +262,7 @@ Status Context::finalize(const Deadline& dl) {
   if (_finalized) return Status::error(Code::closed, "context finalized twice");
   // Let our outstanding operations finish, then meet the others.
   Status st = flush(-1, dl);
-  while (st && !_fin_backlog.empty() && !dl.expired()) progress();
+  flush_owed(dl);
   Status b = _boot->barrier(dl);
   _finalized = true;
   return st ? b : st;
@@ -350,7 +363,7 @@ void Context::progress() {
   if (_dev) reap_npu();
   for (Peer& p : _peers) {
     if (p.rank == _rank || !p.alive) continue;
-    while (!p.backlog.empty() && try_send(p, *p.backlog.front())) p.backlog.pop_front();
+    while (!p.backlog.empty() && try_send(p, p.backlog.front())) p.backlog.pop_front();
     // Inbound: consume every published slot.
     RingLayout* rx = p.rx;
     uint32_t head = rx->head.v.load(std::memory_order_relaxed);
@@ -405,7 +418,8 @@ Status Context::wait(Request& r, const Deadline& dl) {
 
 // ---- two-sided -------------------------------------------------------------------------------
 
-bool Context::try_send(Peer& p, Request& r) {
+bool Context::try_send(Peer& p, const std::shared_ptr<Request>& rp) {
+  Request& r = *rp;
   RingLayout* tx = p.tx;
   uint32_t tail = tx->tail.v.load(std::memory_order_relaxed);
   uint32_t head = tx->head.v.load(std::memory_order_acquire);
@@ -434,6 +448,7 @@ bool Context::try_send(Peer& p, Request& r) {
     }
     std::memcpy(slot, &h, sizeof h);
     r.rts_sent = true;
+    _pending_sends[r.id] = rp;  // completes when the receiver's FIN arrives
   }
   tx->tail.v.store(tail + 1, std::memory_order_release);
   return true;
@@ -443,7 +458,7 @@ bool Context::post_fin(Peer& p, uint64_t sreq, hcomm_status_t st) {
   RingLayout* tx = p.tx;
   uint32_t tail = tx->tail.v.load(std::memory_order_relaxed);
   uint32_t head = tx->head.v.load(std::memory_order_acquire);
-  if (tail - head >= kSlots || !p.backlog.empty()) return false;  // keep FIN behind queued sends? no: FINs are independent
+  if (tail - head >= kSlots) return false;  // FINs are not ordered with sends: they may overtake the backlog
   MsgHdr h{};
   h.type = static_cast<uint32_t>(MsgType::fin);
   h.sreq = sreq;
@@ -490,6 +505,26 @@ void Context::deliver(Request& r, int source, const MsgHdr& h, const uint8_t* pa
   pull(r, source, h);
 }
 
+// The sender's registration, imported once and cached while its generation
+// stays the same (a rendezvous per message must not pay an mmap / ATT write).
+hcomm_rkey* Context::rendezvous_key(int source, uint32_t slot, uint32_t gen) {
+  if (slot >= kMaxRegs) return nullptr;
+  const RegEntry& e = _peers[source].ctrl->regs[slot];
+  if (e.gen.load(std::memory_order_acquire) != gen || (gen & 1u) == 0) return nullptr;
+  const uint64_t key = (uint64_t{static_cast<uint32_t>(source)} << 32) | slot;
+  if (auto it = _rndv_keys.find(key); it != _rndv_keys.end()) {
+    if (it->second->w.gen == gen) return it->second;
+    (void)rkey_release(it->second);  // the sender re-registered the slot
+    _rndv_keys.erase(it);
+  }
+  RkeyWire w{kRkeyMagic, kRkeyVersion, static_cast<uint16_t>(e.kind), source, slot, gen, e.rights, e.size,
+             e.addr, _job_hash, e.fabric_index, 0};
+  hcomm_rkey* k = nullptr;
+  if (!rkey_import(source, &w, sizeof w, &k)) return nullptr;
+  _rndv_keys[key] = k;
+  return k;
+}
+
 // Rendezvous: move the payload once, straight from the sender's buffer into
 // the receive buffer, then tell the sender (FIN).
 void Context::pull(Request& r, int source, const MsgHdr& h) {
@@ -500,16 +535,9 @@ void Context::pull(Request& r, int source, const MsgHdr& h) {
   bool moved = false;
   if (n > 0 && h.src_slot != kNoSlot && h.src_slot < kMaxRegs) {
     // The sender's buffer is registered shareable memory: use the engine.
-    RkeyWire w{};
-    const RegEntry& e = p.ctrl->regs[h.src_slot];
-    uint32_t gen = e.gen.load(std::memory_order_acquire);
-    if (gen == h.src_gen && (gen & 1u) && h.src_off <= e.size && n <= e.size - h.src_off) {
-      w = RkeyWire{kRkeyMagic, kRkeyVersion, static_cast<uint16_t>(e.kind), source, h.src_slot, gen,
-                   HCOMM_ACCESS_REMOTE_READ | e.rights, e.size, e.addr, _job_hash, e.fabric_index, 0};
-      hcomm_rkey* k = nullptr;
-      Status s = rkey_import(source, &w, sizeof w, &k);
-      if (s) {
-        RmaArgs a;
+    hcomm_rkey* k = rendezvous_key(source, h.src_slot, h.src_gen);
+    if (k != nullptr && h.src_off <= k->w.size && n <= k->w.size - h.src_off) {
+      RmaArgs a;
         a.op = Rma::get;
         a.local = r.rbuf;
         a.len = n;
@@ -531,8 +559,6 @@ void Context::pull(Request& r, int source, const MsgHdr& h) {
           }
           if (gs && g->status == HCOMM_OK) moved = true;
         }
-        (void)rkey_release(k);
-      }
     }
   }
   if (!moved && n > 0) {
@@ -605,10 +631,8 @@ Status Context::isend(int dest, const void* buf, size_t len, uint64_t tag, std::
   }
   Peer& p = _peers[dest];
   if (!p.alive) return Status(Code::peer_failure, p.why_dead);
-  if (len > kEagerMax) _pending_sends[r->id] = r;
-  if (!p.backlog.empty() || !try_send(p, *r)) p.backlog.push_back(r);
-  if (r->done() || !r->rts_sent) _pending_sends.erase(r->id);
-  if (r->rts_sent) _pending_sends[r->id] = r;
+  // In order behind anything already queued for this peer.
+  if (!p.backlog.empty() || !try_send(p, r)) p.backlog.push_back(r);
   return Status::ok();
 }
 

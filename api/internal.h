@@ -260,6 +260,7 @@ class Context {
 
   // progress
   void progress();
+  void flush_owed(const Deadline& dl);
   Status wait(Request& r, const Deadline& dl);
 
  private:
@@ -284,7 +285,8 @@ class Context {
   void reap_npu();
   uint64_t npu_iova_local(const hcomm_mem* m, const void* p) const;
 
-  bool try_send(Peer& p, Request& r);
+  bool try_send(Peer& p, const std::shared_ptr<Request>& r);
+  hcomm_rkey* rendezvous_key(int source, uint32_t slot, uint32_t gen);
   void handle(Peer& p, const MsgHdr& h, const uint8_t* payload);
   void deliver(Request& r, int source, const MsgHdr& h, const uint8_t* payload);
   void pull(Request& r, int source, const MsgHdr& h);
@@ -309,6 +311,7 @@ class Context {
   std::list<std::shared_ptr<Request>> _posted;                   // receives
   std::list<Unexpected> _unexpected;
   std::deque<std::pair<int, MsgHdr>> _fin_backlog;               // FINs waiting for a slot
+  std::map<uint64_t, hcomm_rkey*> _rndv_keys;                    // (peer << 32 | slot) -> cached import
   Clock::time_point _last_check{};
   bool _fence_next = false;
   bool _finalized = false;
