@@ -204,11 +204,8 @@ hcomm_status_t hcomm_wait(hcomm_request_t* req, int timeout_ms) {
 void hcomm_request_free(hcomm_request_t* req) {
   if (req == nullptr) return;
   // The context keeps its own reference while the operation runs: freeing a
-  // pending request only drops the user's handle.
-  if (req->ctx != nullptr) {
-    std::unique_lock lock(req->ctx->mu());
-    req->r.reset();
-  }
+  // pending request only drops the user's handle (an atomic count; no
+  // context access, so this is safe even after hcomm_finalize).
   delete req;
 }
 

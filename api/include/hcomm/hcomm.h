@@ -75,7 +75,9 @@ void hcomm_config_init(hcomm_config_t* config);
 /* Joins the job described by the environment (torchrun variables, Open MPI's
  * mpirun, hcomm-run; none = a single rank). Collective. */
 hcomm_status_t hcomm_init(const hcomm_config_t* config, hcomm_context_t** ctx);
-/* Collective; completes or fails every outstanding request, frees ctx. */
+/* Collective; completes or fails every outstanding request, frees ctx and
+ * every memory, key and request handle made from it (their handles are
+ * invalid afterwards: release what you want released first). */
 hcomm_status_t hcomm_finalize(hcomm_context_t* ctx);
 
 int hcomm_rank(const hcomm_context_t* ctx);
@@ -126,6 +128,8 @@ hcomm_status_t hcomm_rkey_release(hcomm_rkey_t* rkey);
 hcomm_status_t hcomm_test(hcomm_request_t* req, int* done);
 /* Waits up to timeout_ms (< 0: no limit is not allowed; use a large value). */
 hcomm_status_t hcomm_wait(hcomm_request_t* req, int timeout_ms);
+/* Drops the handle; a pending operation goes on (its buffers must stay valid
+ * until it completes). Safe after hcomm_finalize. */
 void hcomm_request_free(hcomm_request_t* req);
 /* Drives progress once (optional: every call does). */
 hcomm_status_t hcomm_progress(hcomm_context_t* ctx);

@@ -5,6 +5,7 @@
 #include <hcomm/hcomm.h>
 
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -29,19 +30,25 @@ inline void check(hcomm_status_t s, const char* what) {
 
 inline constexpr int kDefaultTimeoutMs = 60000;
 
+// Handles made by a Context share its liveness flag: once the context is
+// finalized their destructors do nothing (the C handles died with it), so
+// destruction order and an explicit finalize() are both safe.
+using Liveness = std::shared_ptr<bool>;
+
 class Request {
  public:
   Request() = default;
-  explicit Request(hcomm_request_t* r) : _r(r) {}
-  Request(Request&& o) noexcept : _r(std::exchange(o._r, nullptr)) {}
+  Request(hcomm_request_t* r, Liveness alive) : _r(r), _alive(std::move(alive)) {}
+  Request(Request&& o) noexcept : _r(std::exchange(o._r, nullptr)), _alive(std::move(o._alive)) {}
   Request& operator=(Request&& o) noexcept {
     if (this != &o) {
-      hcomm_request_free(_r);
+      reset();
       _r = std::exchange(o._r, nullptr);
+      _alive = std::move(o._alive);
     }
     return *this;
   }
-  ~Request() { hcomm_request_free(_r); }
+  ~Request() { reset(); }
   // true when done; throws on failure.
   bool test() {
     int done = 0;
@@ -58,46 +65,54 @@ class Request {
   hcomm_request_t* get() const { return _r; }
 
  private:
+  void reset() {
+    if (_r != nullptr && _alive && *_alive) hcomm_request_free(_r);
+    _r = nullptr;
+  }
   hcomm_request_t* _r = nullptr;
+  Liveness _alive;
 };
 
 class RemoteKey {
  public:
   RemoteKey() = default;
-  explicit RemoteKey(hcomm_rkey_t* k) : _k(k) {}
-  RemoteKey(RemoteKey&& o) noexcept : _k(std::exchange(o._k, nullptr)) {}
+  RemoteKey(hcomm_rkey_t* k, Liveness alive) : _k(k), _alive(std::move(alive)) {}
+  RemoteKey(RemoteKey&& o) noexcept : _k(std::exchange(o._k, nullptr)), _alive(std::move(o._alive)) {}
   RemoteKey& operator=(RemoteKey&& o) noexcept {
     if (this != &o) {
-      if (_k) hcomm_rkey_release(_k);
+      reset();
       _k = std::exchange(o._k, nullptr);
+      _alive = std::move(o._alive);
     }
     return *this;
   }
-  ~RemoteKey() {
-    if (_k) hcomm_rkey_release(_k);
-  }
+  ~RemoteKey() { reset(); }
   hcomm_rkey_t* get() const { return _k; }
   size_t size() const { return hcomm_rkey_size(_k); }
 
  private:
+  void reset() {
+    if (_k != nullptr && _alive && *_alive) hcomm_rkey_release(_k);
+    _k = nullptr;
+  }
   hcomm_rkey_t* _k = nullptr;
+  Liveness _alive;
 };
 
 class Memory {
  public:
   Memory() = default;
-  explicit Memory(hcomm_mem_t* m) : _m(m) {}
-  Memory(Memory&& o) noexcept : _m(std::exchange(o._m, nullptr)) {}
+  Memory(hcomm_mem_t* m, Liveness alive) : _m(m), _alive(std::move(alive)) {}
+  Memory(Memory&& o) noexcept : _m(std::exchange(o._m, nullptr)), _alive(std::move(o._alive)) {}
   Memory& operator=(Memory&& o) noexcept {
     if (this != &o) {
-      if (_m) hcomm_mem_release(_m);
+      reset();
       _m = std::exchange(o._m, nullptr);
+      _alive = std::move(o._alive);
     }
     return *this;
   }
-  ~Memory() {
-    if (_m) hcomm_mem_release(_m);
-  }
+  ~Memory() { reset(); }
   void* data() const { return hcomm_mem_ptr(_m); }
   template <typename T>
   T* as() const {
@@ -115,7 +130,12 @@ class Memory {
   }
 
  private:
+  void reset() {
+    if (_m != nullptr && _alive && *_alive) hcomm_mem_release(_m);
+    _m = nullptr;
+  }
   hcomm_mem_t* _m = nullptr;
+  Liveness _alive;
 };
 
 class Context {
@@ -127,12 +147,14 @@ class Context {
     check(hcomm_init(&cfg, &_c), "init");
   }
   ~Context() {
+    *_alive = false;
     if (_c) hcomm_finalize(_c);
   }
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
   // Collective; reports failures that the destructor would swallow.
   void finalize() {
+    *_alive = false;
     hcomm_context_t* c = std::exchange(_c, nullptr);
     check(hcomm_finalize(c), "finalize");
   }
@@ -146,17 +168,17 @@ class Context {
   Memory alloc(size_t bytes, unsigned kind = HCOMM_MEM_HOST, unsigned access = HCOMM_ACCESS_ALL) {
     hcomm_mem_t* m = nullptr;
     check(hcomm_mem_alloc(_c, bytes, kind, access, &m), "mem_alloc");
-    return Memory(m);
+    return Memory(m, _alive);
   }
   Memory register_memory(void* p, size_t bytes, unsigned access = HCOMM_ACCESS_ALL) {
     hcomm_mem_t* m = nullptr;
     check(hcomm_mem_register(_c, p, bytes, access, &m), "mem_register");
-    return Memory(m);
+    return Memory(m, _alive);
   }
   RemoteKey import_key(int peer, const std::vector<uint8_t>& blob) {
     hcomm_rkey_t* k = nullptr;
     check(hcomm_rkey_import(_c, peer, blob.data(), blob.size(), &k), "rkey_import");
-    return RemoteKey(k);
+    return RemoteKey(k, _alive);
   }
 
   void send(int dest, const void* buf, size_t len, uint64_t tag, int timeout_ms = kDefaultTimeoutMs) {
@@ -171,12 +193,12 @@ class Context {
   Request isend(int dest, const void* buf, size_t len, uint64_t tag) {
     hcomm_request_t* r = nullptr;
     check(hcomm_isend(_c, dest, buf, len, tag, &r), "isend");
-    return Request(r);
+    return Request(r, _alive);
   }
   Request irecv(int src, void* buf, size_t len, uint64_t tag, uint64_t mask = HCOMM_TAG_MASK_ALL) {
     hcomm_request_t* r = nullptr;
     check(hcomm_irecv(_c, src, buf, len, tag, mask, &r), "irecv");
-    return Request(r);
+    return Request(r, _alive);
   }
   hcomm_recv_info_t sendrecv(int dest, const void* sbuf, size_t slen, uint64_t stag, int src, void* rbuf, size_t rlen,
                              uint64_t rtag, int timeout_ms = kDefaultTimeoutMs) {
@@ -230,6 +252,7 @@ class Context {
 
  private:
   hcomm_context_t* _c = nullptr;
+  Liveness _alive = std::make_shared<bool>(true);
 };
 
 }  // namespace hcomm
