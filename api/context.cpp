@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -92,6 +93,12 @@ Status Context::create(const hcomm_config_t& cfg, std::unique_ptr<Context>* out)
 Status Context::init(const hcomm_config_t& cfg) {
   LaunchInfo li;
   HCOMM_TRY(detect_launch(&li));
+  // Every peer's hcomm_mem_alloc hands us one memfd: lift the soft fd limit
+  // to the hard one so a few thousand registrations across ranks fit.
+  if (rlimit rl{}; ::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = rl.rlim_max;
+    (void)::setrlimit(RLIMIT_NOFILE, &rl);
+  }
   const int timeout_ms = cfg.bootstrap_timeout_ms > 0 ? cfg.bootstrap_timeout_ms : 30000;
   HCOMM_TRY(Bootstrap::create(li, timeout_ms, &_boot));
   _rank = _boot->rank();
@@ -281,6 +288,10 @@ void Context::drain_socket(Peer& p) {
     if (buf.size() != sizeof m) return peer_failed(p, "malformed control message");
     std::memcpy(&m, buf.data(), sizeof m);
     if (m.type == static_cast<uint32_t>(MeshType::advert) && fds.size() == 1 && m.slot < kMaxRegs) {
+      // A new generation of a slot replaces the old one's fd (mappings made
+      // from it stay valid without it).
+      p.adverts.erase(p.adverts.lower_bound(uint64_t{m.slot} << 32),
+                      p.adverts.lower_bound(uint64_t{m.slot + 1} << 32));
       p.adverts[(uint64_t{m.slot} << 32) | m.gen] = std::move(fds[0]);
     } else {
       return peer_failed(p, "unexpected control message type " + std::to_string(m.type));
