@@ -4,6 +4,8 @@ set -euo pipefail
 pkgs=(build-essential meson ninja-build pkg-config
       libnuma-dev libgtest-dev libgmock-dev libbenchmark-dev
       libibverbs-dev libdpdk-dev openmpi-bin libopenmpi-dev)
+# bench-only (bench/compare.py): scripts/deps.sh --bench
+[ "${1:-}" = "--bench" ] && pkgs+=(ucx-utils python3-matplotlib)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
