@@ -35,4 +35,20 @@ for d in "${devices[@]}"; do
   echo "== hcomm-probe selftest $d"
   "$probe" selftest "$d"
 done
+# The examples, each on a simulator of its own (hcomm-run --sim), then on the host engine.
+run="$B/tools/hcomm-run"
+ex="$B/examples"
+npu() {
+  local n=$1 prog=$2
+  shift 2
+  echo "== HCOMM_ENGINE=npu hcomm-run --sim -n $n $prog${*:+ $*}"
+  HCOMM_ENGINE=npu "$run" --sim -n "$n" --timeout 60 "$ex/$prog" "$@"
+}
+npu 2 point_to_point
+npu 2 put_get
+npu 3 parameter_server
+npu 3 pipeline
+npu 3 pipeline --notify
+echo "== HCOMM_ENGINE=host hcomm-run -n 2 point_to_point"
+HCOMM_ENGINE=host "$run" -n 2 --timeout 60 "$ex/point_to_point"
 echo "== demo done"
