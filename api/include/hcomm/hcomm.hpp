@@ -35,107 +35,80 @@ inline constexpr int kDefaultTimeoutMs = 60000;
 // destruction order and an explicit finalize() are both safe.
 using Liveness = std::shared_ptr<bool>;
 
-class Request {
+// One owned C handle; released unless its context is already gone.
+template <typename H, void (*Release)(H*)>
+class Handle {
  public:
-  Request() = default;
-  Request(hcomm_request_t* r, Liveness alive) : _r(r), _alive(std::move(alive)) {}
-  Request(Request&& o) noexcept : _r(std::exchange(o._r, nullptr)), _alive(std::move(o._alive)) {}
-  Request& operator=(Request&& o) noexcept {
+  Handle() = default;
+  Handle(H* h, Liveness alive) : _h(h), _alive(std::move(alive)) {}
+  Handle(Handle&& o) noexcept : _h(std::exchange(o._h, nullptr)), _alive(std::move(o._alive)) {}
+  Handle& operator=(Handle&& o) noexcept {
     if (this != &o) {
       reset();
-      _r = std::exchange(o._r, nullptr);
+      _h = std::exchange(o._h, nullptr);
       _alive = std::move(o._alive);
     }
     return *this;
   }
-  ~Request() { reset(); }
+  ~Handle() { reset(); }
+  H* get() const { return _h; }
+
+ private:
+  void reset() {
+    if (_h != nullptr && _alive && *_alive) Release(_h);
+    _h = nullptr;
+  }
+  H* _h = nullptr;
+  Liveness _alive;
+};
+
+namespace detail {
+inline void free_request(hcomm_request_t* r) { hcomm_request_free(r); }
+inline void release_rkey(hcomm_rkey_t* k) { (void)hcomm_rkey_release(k); }
+inline void release_mem(hcomm_mem_t* m) { (void)hcomm_mem_release(m); }
+}  // namespace detail
+
+class Request : public Handle<hcomm_request_t, detail::free_request> {
+ public:
+  using Handle::Handle;
   // true when done; throws on failure.
   bool test() {
     int done = 0;
-    hcomm_status_t s = hcomm_test(_r, &done);
+    hcomm_status_t s = hcomm_test(get(), &done);
     if (s != HCOMM_OK && s != HCOMM_IN_PROGRESS) throw Error(s, "request");
     return done != 0;
   }
-  void wait(int timeout_ms = kDefaultTimeoutMs) { check(hcomm_wait(_r, timeout_ms), "wait"); }
+  void wait(int timeout_ms = kDefaultTimeoutMs) { check(hcomm_wait(get(), timeout_ms), "wait"); }
   hcomm_recv_info_t recv_info() const {
     hcomm_recv_info_t i{};
-    check(hcomm_request_recv_info(_r, &i), "recv_info");
+    check(hcomm_request_recv_info(get(), &i), "recv_info");
     return i;
   }
-  hcomm_request_t* get() const { return _r; }
-
- private:
-  void reset() {
-    if (_r != nullptr && _alive && *_alive) hcomm_request_free(_r);
-    _r = nullptr;
-  }
-  hcomm_request_t* _r = nullptr;
-  Liveness _alive;
 };
 
-class RemoteKey {
+class RemoteKey : public Handle<hcomm_rkey_t, detail::release_rkey> {
  public:
-  RemoteKey() = default;
-  RemoteKey(hcomm_rkey_t* k, Liveness alive) : _k(k), _alive(std::move(alive)) {}
-  RemoteKey(RemoteKey&& o) noexcept : _k(std::exchange(o._k, nullptr)), _alive(std::move(o._alive)) {}
-  RemoteKey& operator=(RemoteKey&& o) noexcept {
-    if (this != &o) {
-      reset();
-      _k = std::exchange(o._k, nullptr);
-      _alive = std::move(o._alive);
-    }
-    return *this;
-  }
-  ~RemoteKey() { reset(); }
-  hcomm_rkey_t* get() const { return _k; }
-  size_t size() const { return hcomm_rkey_size(_k); }
-
- private:
-  void reset() {
-    if (_k != nullptr && _alive && *_alive) hcomm_rkey_release(_k);
-    _k = nullptr;
-  }
-  hcomm_rkey_t* _k = nullptr;
-  Liveness _alive;
+  using Handle::Handle;
+  size_t size() const { return hcomm_rkey_size(get()); }
 };
 
-class Memory {
+class Memory : public Handle<hcomm_mem_t, detail::release_mem> {
  public:
-  Memory() = default;
-  Memory(hcomm_mem_t* m, Liveness alive) : _m(m), _alive(std::move(alive)) {}
-  Memory(Memory&& o) noexcept : _m(std::exchange(o._m, nullptr)), _alive(std::move(o._alive)) {}
-  Memory& operator=(Memory&& o) noexcept {
-    if (this != &o) {
-      reset();
-      _m = std::exchange(o._m, nullptr);
-      _alive = std::move(o._alive);
-    }
-    return *this;
-  }
-  ~Memory() { reset(); }
-  void* data() const { return hcomm_mem_ptr(_m); }
+  using Handle::Handle;
+  void* data() const { return hcomm_mem_ptr(get()); }
   template <typename T>
   T* as() const {
     return static_cast<T*>(data());
   }
-  size_t size() const { return hcomm_mem_size(_m); }
-  hcomm_mem_t* get() const { return _m; }
+  size_t size() const { return hcomm_mem_size(get()); }
   // The packed remote key, to ship to a peer.
   std::vector<uint8_t> rkey() const {
     std::vector<uint8_t> b(HCOMM_RKEY_MAX);
     size_t n = b.size();
-    check(hcomm_mem_rkey_pack(_m, b.data(), &n), "rkey_pack");
+    check(hcomm_mem_rkey_pack(get(), b.data(), &n), "rkey_pack");
     b.resize(n);
     return b;
   }
-
- private:
-  void reset() {
-    if (_m != nullptr && _alive && *_alive) hcomm_mem_release(_m);
-    _m = nullptr;
-  }
-  hcomm_mem_t* _m = nullptr;
-  Liveness _alive;
 };
 
 class Context {
