@@ -86,6 +86,7 @@ void hcomm_config_init(hcomm_config_t* c) {
   c->engine = HCOMM_ENGINE_AUTO;
   c->bootstrap_timeout_ms = 30000;
   c->device = nullptr;
+  c->peer_check_ms = 1;
 }
 
 hcomm_status_t hcomm_init(const hcomm_config_t* config, hcomm_context_t** out) {

@@ -100,6 +100,14 @@ Status Context::init(const hcomm_config_t& cfg) {
     (void)::setrlimit(RLIMIT_NOFILE, &rl);
   }
   const int timeout_ms = cfg.bootstrap_timeout_ms > 0 ? cfg.bootstrap_timeout_ms : 30000;
+  _peer_check = std::chrono::milliseconds(cfg.peer_check_ms > 0 ? cfg.peer_check_ms : 1);
+  if (const char* e = std::getenv("HCOMM_PEER_CHECK_MS"); e != nullptr && *e != '\0') {
+    char* end = nullptr;
+    long v = std::strtol(e, &end, 10);
+    if (*end != '\0' || v < 1 || v > 60000)
+      return Status::error(Code::invalid_argument, "HCOMM_PEER_CHECK_MS='%s': use 1..60000", e);
+    _peer_check = std::chrono::milliseconds(v);
+  }
   HCOMM_TRY(Bootstrap::create(li, timeout_ms, &_boot));
   _rank = _boot->rank();
   _size = _boot->size();
@@ -301,7 +309,7 @@ void Context::drain_socket(Peer& p) {
 
 void Context::check_peers(bool force) {
   auto now = Clock::now();
-  if (!force && now - _last_check < std::chrono::milliseconds(1)) return;
+  if (!force && now - _last_check < _peer_check) return;
   _last_check = now;
   std::vector<pollfd> pfds;
   std::vector<Peer*> who;

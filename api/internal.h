@@ -313,6 +313,7 @@ class Context {
   std::deque<std::pair<int, MsgHdr>> _fin_backlog;               // FINs waiting for a slot
   std::map<uint64_t, hcomm_rkey*> _rndv_keys;                    // (peer << 32 | slot) -> cached import
   Clock::time_point _last_check{};
+  std::chrono::milliseconds _peer_check{1};
   bool _fence_next = false;
   bool _finalized = false;
   // npu engine

@@ -68,6 +68,8 @@ typedef struct hcomm_config {
   hcomm_engine_t engine;
   int bootstrap_timeout_ms; /* default 30000 */
   const char* device;       /* NPU engine: "sim:N" or a PCI address; NULL = sim:<local rank> */
+  int peer_check_ms;        /* how often progress polls peers for failure (default 1; env HCOMM_PEER_CHECK_MS);
+                               a peer that exits fails its requests within about this long */
 } hcomm_config_t;
 
 void hcomm_config_init(hcomm_config_t* config);
