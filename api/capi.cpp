@@ -270,6 +270,7 @@ Context::RmaArgs atomic_args(Context::Rma op, hcomm_rkey_t* rkey, uint64_t off, 
 hcomm_status_t rma_blocking(hcomm_context_t* c, const Context::RmaArgs& a, int timeout_ms) {
   CTX_OR_FAIL(c);
   if (a.notify_rkey == reinterpret_cast<hcomm_rkey_t*>(1)) return fail(HCOMM_ERR_INVALID, "null notify key");
+  if (!ctx.npu()) return ret(ctx.rma(a, nullptr));  // host engine: complete at the target on return
   std::shared_ptr<Request> r;
   Status st = ctx.rma(a, &r);
   return run_blocking(ctx, st, r, timeout_ms);

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <list>
 #include <map>
 #include <memory>
@@ -232,7 +233,9 @@ class Context {
   Status rkey_import(int peer, const void* buf, size_t len, hcomm_rkey** out);
   Status rkey_release(hcomm_rkey* k);
 
-  // one-sided; each returns a request (maybe already complete)
+  // one-sided; returns a request (maybe already complete). out == nullptr:
+  // the caller blocks anyway; on the host engine the operation then runs
+  // without a request and is complete when this returns.
   enum class Rma { put, get, acc, fetch_add, cswap };
   struct RmaArgs {
     Rma op = Rma::put;
@@ -278,7 +281,9 @@ class Context {
   Status check_key(hcomm_rkey* k, uint64_t off, uint64_t len, unsigned need) const;
   const hcomm_mem* find_local(const void* p, size_t len) const;
 
-  Status rma_host(const RmaArgs& a, Request& r);
+  Status rma_host(const RmaArgs& a);
+  // Waits until done() with progress; false at the deadline. Releases _mu while napping.
+  bool spin_wait(const std::function<bool()>& done, bool progress_each_round, const Deadline& dl);
   Status rma_npu(const RmaArgs& a, const std::shared_ptr<Request>& r);
   Status lock_stripe(Peer& p, uint32_t slot, const Deadline& dl, pthread_mutex_t** out);
   Status remote_rw(Peer& p, hcomm_rkey* k, uint64_t off, void* buf, size_t len, bool write);
@@ -314,6 +319,7 @@ class Context {
   std::map<uint64_t, hcomm_rkey*> _rndv_keys;                    // (peer << 32 | slot) -> cached import
   Clock::time_point _last_check{};
   std::chrono::milliseconds _peer_check{1};
+  uint32_t _progress_calls = 0;
   bool _fence_next = false;
   bool _finalized = false;
   // npu engine

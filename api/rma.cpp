@@ -114,21 +114,21 @@ Status Context::rma(const RmaArgs& a, std::shared_ptr<Request>* out) {
   if (!atomic && find_local(a.local, len) == nullptr)
     return Status::error(Code::invalid_argument,
                          "local buffer [%p,+%zu) is not inside memory registered with this context", a.local, len);
+  if (out == nullptr && !_dev) return rma_host(a);  // blocking host-engine call: no request needed
   auto r = std::make_shared<Request>();
   r->kind = Request::Kind::rma;
   r->peer = a.rkey->peer;
   r->id = _next_id++;
-  *out = r;
+  if (out != nullptr) *out = r;
   if (_dev) return rma_npu(a, r);
-  Status st = rma_host(a, *r);
+  Status st = rma_host(a);
   complete(*r, st ? HCOMM_OK : to_hcomm(st.code()), st.message());
   return st;
 }
 
 // Host engine: the initiating CPU does the move, once, and the operation is
 // complete (at the target) when this returns.
-Status Context::rma_host(const RmaArgs& a, Request& r) {
-  (void)r;
+Status Context::rma_host(const RmaArgs& a) {
   Peer& p = _peers[a.rkey->peer];
   hcomm_rkey* k = a.rkey;
   switch (a.op) {
@@ -305,20 +305,11 @@ Status Context::notify_wait(hcomm_mem* m, uint64_t off, uint64_t value, const De
                          static_cast<unsigned long>(off), m->size);
   if (m->ptr == nullptr) return Status::error(Code::unsupported, "notify_wait: memory not CPU-visible");
   std::atomic_ref<uint64_t> w(*reinterpret_cast<uint64_t*>(m->ptr + off));
-  for (int spins = 0;; ++spins) {
-    if (w.load(std::memory_order_acquire) >= value) return Status::ok();
-    if (dl.expired())
-      return Status::error(Code::timeout, "notify_wait: word is %lu, waiting for >= %lu",
-                           static_cast<unsigned long>(w.load()), static_cast<unsigned long>(value));
-    if (spins % 64 == 0) progress();
-    if (spins > 4000) {
-      _mu.unlock();
-      std::this_thread::sleep_for(std::chrono::microseconds(spins > 40000 ? 200 : 5));
-      _mu.lock();
-    } else {
-      cpu_relax();
-    }
-  }
+  // The target side needs no progress to see the word; progress runs now and
+  // then so this rank's peers are still served while it waits.
+  if (spin_wait([&] { return w.load(std::memory_order_acquire) >= value; }, false, dl)) return Status::ok();
+  return Status::error(Code::timeout, "notify_wait: word is %lu, waiting for >= %lu",
+                       static_cast<unsigned long>(w.load()), static_cast<unsigned long>(value));
 }
 
 }  // namespace hcomm::api
