@@ -8,22 +8,22 @@
 // Paths: HCOMM_PROBE_BIN is <build>/tools/hcomm-probe, so hcomm-run is
 // <build>/tools/hcomm-run and the examples are <build>/examples/<name>.
 #include <gtest/gtest.h>
-#include <poll.h>
-#include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "tests/support/child.h"
+
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using hcomm::test::lines;
+using hcomm::test::sorted;
+using Result = hcomm::test::ChildResult;
 
 std::filesystem::path tools_dir() {
   const char* p = std::getenv("HCOMM_PROBE_BIN");
@@ -32,69 +32,13 @@ std::filesystem::path tools_dir() {
 std::string run_bin() { return (tools_dir() / "hcomm-run").string(); }
 std::string example(const std::string& name) { return (tools_dir() / ".." / "examples" / name).lexically_normal().string(); }
 
-struct Result {
-  int status = -1;
-  std::string out, err;
-};
-
-// Variables that would make a child think it is already a rank or point it at another simulator.
-const char* kScrubbed[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                           "HCOMM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
-                           "HCOMM_SIM_DIR", "HCOMM_ENGINE"};
-
-// Runs args with `engine` as HCOMM_ENGINE; collects stdout and stderr; kills it after limit_ms.
+// Runs args with `engine` as HCOMM_ENGINE, and without the variables that would make it think
+// it is already a rank or point it at another simulator; kills it after limit_ms.
 Result run(const std::vector<std::string>& args, const std::string& engine, int limit_ms) {
-  Result r;
-  int po[2], pe[2];
-  if (::pipe(po) != 0 || ::pipe(pe) != 0) return r;
-  pid_t pid = ::fork();
-  if (pid < 0) return r;
-  if (pid == 0) {
-    for (const char* v : kScrubbed) ::unsetenv(v);
-    ::setenv("HCOMM_ENGINE", engine.c_str(), 1);
-    ::dup2(po[1], 1);
-    ::dup2(pe[1], 2);
-    ::close(po[0]);
-    ::close(pe[0]);
-    ::close(po[1]);
-    ::close(pe[1]);
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    ::execv(argv[0], argv.data());
-    ::_exit(127);
-  }
-  ::close(po[1]);
-  ::close(pe[1]);
-  auto until = Clock::now() + std::chrono::milliseconds(limit_ms);
-  int fds[2] = {po[0], pe[0]};
-  std::string* bufs[2] = {&r.out, &r.err};
-  while (fds[0] >= 0 || fds[1] >= 0) {
-    pollfd p[2] = {{fds[0], POLLIN, 0}, {fds[1], POLLIN, 0}};
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()).count();
-    if (left <= 0 || ::poll(p, 2, static_cast<int>(left)) <= 0) {
-      ::kill(pid, SIGKILL);
-      r.err += "\n[test] killed after " + std::to_string(limit_ms) + " ms\n";
-      break;
-    }
-    for (int i = 0; i < 2; ++i) {
-      if (fds[i] < 0 || p[i].revents == 0) continue;
-      char buf[8192];
-      ssize_t n = ::read(fds[i], buf, sizeof buf);
-      if (n <= 0) {
-        ::close(fds[i]);
-        fds[i] = -1;
-      } else {
-        bufs[i]->append(buf, static_cast<size_t>(n));
-      }
-    }
-  }
-  for (int f : fds)
-    if (f >= 0) ::close(f);
-  int st = 0;
-  ::waitpid(pid, &st, 0);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  return r;
+  hcomm::test::ChildEnv env;
+  env.unset.insert(env.unset.end(), {"HCOMM_SIM_DIR", "HCOMM_ENGINE"});
+  env.set = {{"HCOMM_ENGINE", engine}};
+  return hcomm::test::run_child(args, limit_ms, env);
 }
 
 // hcomm-run -n N [--sim] --timeout 60 <build>/examples/<name> args... (each run takes
@@ -108,23 +52,11 @@ Result run_example(const std::string& engine, int n, const std::string& name, co
   return run(argv, engine, 90000);
 }
 
-std::vector<std::string> lines(const std::string& s) {
-  std::vector<std::string> v;
-  std::istringstream in(s);
-  for (std::string l; std::getline(in, l);) v.push_back(l);
-  return v;
-}
-
 // The lines of rank output (those hcomm-run prefixed "[r] "; not the simulator's "[sim] "), sorted.
 std::vector<std::string> rank_lines(const std::string& out) {
   std::vector<std::string> v;
   for (auto& l : lines(out))
     if (l.size() > 3 && l[0] == '[' && l[1] >= '0' && l[1] <= '9') v.push_back(l);
-  std::sort(v.begin(), v.end());
-  return v;
-}
-
-std::vector<std::string> sorted(std::vector<std::string> v) {
   std::sort(v.begin(), v.end());
   return v;
 }

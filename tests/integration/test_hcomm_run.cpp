@@ -1,128 +1,32 @@
 // Integration: the hcomm-run launcher (prefixing, exit statuses, grace,
 // --timeout, signal cleanup, --sim) and bootstrap under real launchers
 // (hcomm-run and, where installed, Open MPI's mpirun).
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <poll.h>
 #include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <chrono>
-#include <cstdlib>
-#include <functional>
 #include <set>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "tests/support/child.h"
+
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using hcomm::test::env_or;
+using hcomm::test::lines;
+using hcomm::test::sorted_lines;
+using hcomm::test::words;
+using Result = hcomm::test::ChildResult;
 
-std::string env_or(const char* k, const char* dflt) {
-  const char* v = std::getenv(k);
-  return v != nullptr ? v : dflt;
-}
 std::string run_bin() { return env_or("HCOMM_RUN_BIN", "hcomm-run"); }
 std::string check_bin() { return env_or("HCOMM_BOOT_CHECK_BIN", "boot_check"); }
 
-struct Result {
-  int status = -1;
-  std::string out, err;
-  long ms = 0;
-};
-
-// Variables that would make a child think it is already a rank.
-const char* kLaunchVars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                             "HCOMM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"};
-
-pid_t start(const std::vector<std::string>& args, int* out_fd, int* err_fd) {
-  int po[2], pe[2];
-  if (::pipe(po) != 0 || ::pipe(pe) != 0) return -1;
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    for (const char* v : kLaunchVars) ::unsetenv(v);
-    ::dup2(po[1], 1);
-    ::dup2(pe[1], 2);
-    ::close(po[0]);
-    ::close(pe[0]);
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    ::execvp(argv[0], argv.data());
-    ::_exit(127);
-  }
-  ::close(po[1]);
-  ::close(pe[1]);
-  *out_fd = po[0];
-  *err_fd = pe[0];
-  return pid;
-}
-
-// Reads both pipes until EOF; kills the child after limit_ms.
-Result finish(pid_t pid, int ofd, int efd, int limit_ms, const std::function<void(const std::string&)>& on_out = {}) {
-  Result r;
-  auto t0 = Clock::now();
-  auto until = t0 + std::chrono::milliseconds(limit_ms);
-  int fds[2] = {ofd, efd};
-  std::string* bufs[2] = {&r.out, &r.err};
-  while (fds[0] >= 0 || fds[1] >= 0) {
-    pollfd p[2] = {{fds[0], POLLIN, 0}, {fds[1], POLLIN, 0}};
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()).count();
-    if (left <= 0 || ::poll(p, 2, static_cast<int>(left)) <= 0) {
-      ::kill(pid, SIGKILL);
-      break;
-    }
-    for (int i = 0; i < 2; ++i) {
-      if (fds[i] < 0 || p[i].revents == 0) continue;
-      char buf[8192];
-      ssize_t n = ::read(fds[i], buf, sizeof buf);
-      if (n <= 0) {
-        ::close(fds[i]);
-        fds[i] = -1;
-      } else {
-        bufs[i]->append(buf, static_cast<size_t>(n));
-        if (i == 0 && on_out) on_out(r.out);
-      }
-    }
-  }
-  for (int f : fds)
-    if (f >= 0) ::close(f);
-  int st = 0;
-  ::waitpid(pid, &st, 0);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  r.ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
-  return r;
-}
-
 Result run(const std::vector<std::string>& args, int limit_ms = 60000) {
-  int o, e;
-  pid_t pid = start(args, &o, &e);
+  int o = -1, e = -1;
+  pid_t pid = hcomm::test::start_child(args, &o, &e);
   EXPECT_GT(pid, 0);
-  return finish(pid, o, e, limit_ms);
-}
-
-std::vector<std::string> lines(const std::string& s) {
-  std::vector<std::string> v;
-  std::istringstream in(s);
-  for (std::string l; std::getline(in, l);) v.push_back(l);
-  return v;
-}
-
-// Splits at single spaces (no std::regex: GCC 12 warns inside it under ASan).
-std::vector<std::string> words(const std::string& s) {
-  std::vector<std::string> v;
-  std::istringstream in(s);
-  for (std::string w; in >> w;) v.push_back(w);
-  return v;
-}
-
-std::vector<std::string> sorted_lines(const std::string& s) {
-  auto v = lines(s);
-  std::sort(v.begin(), v.end());
-  return v;
+  return hcomm::test::finish_child(pid, o, e, limit_ms);
 }
 
 TEST(HcommRun, PrefixesEveryLineByRank) {
@@ -200,12 +104,12 @@ TEST(HcommRun, TimeoutKillsEverythingWith124) {
 }
 
 TEST(HcommRun, SigtermStopsEveryRank) {
-  int o, e;
-  pid_t pid = start({run_bin(), "-n", "2", "sh", "-c", "echo pid $$; exec sleep 60"}, &o, &e);
+  int o = -1, e = -1;
+  pid_t pid = hcomm::test::start_child({run_bin(), "-n", "2", "sh", "-c", "echo pid $$; exec sleep 60"}, &o, &e);
   ASSERT_GT(pid, 0);
   std::vector<pid_t> kids;
   bool signalled = false;
-  Result r = finish(pid, o, e, 20000, [&](const std::string& out) {
+  Result r = hcomm::test::finish_child(pid, o, e, 20000, [&](const std::string& out) {
     if (signalled) return;
     kids.clear();
     for (const auto& l : lines(out)) {
