@@ -159,7 +159,11 @@ Status Context::rma_host(const RmaArgs& a) {
     }
     case Rma::fetch_add:
     case Rma::cswap: {
-      if (k->mapped != nullptr) {
+      // hcomm_mem_alloc memory is mapped by every rank: CPU atomics on it are
+      // atomic across processes. Registered user memory is reached by peers
+      // through process_vm_*, so every rank (the owner included) must take
+      // the same lock instead, or a lock-free owner races a locked peer.
+      if (k->mapped != nullptr && static_cast<MemKind>(k->w.kind) != MemKind::host_user) {
         std::atomic_ref<uint64_t> w(*reinterpret_cast<uint64_t*>(k->mapped + a.roff));
         if (a.op == Rma::fetch_add) {
           *a.old_value = w.fetch_add(a.operand, std::memory_order_acq_rel);
@@ -173,11 +177,11 @@ Status Context::rma_host(const RmaArgs& a) {
       pthread_mutex_t* lk = nullptr;
       HCOMM_TRY(lock_stripe(p, k->w.slot, Deadline::after_ms(30000), &lk));
       uint64_t v = 0;
-      Status st = cma(p.pid, &v, k->w.addr + a.roff, 8, false);
+      Status st = remote_rw(p, k, a.roff, &v, 8, false);
       if (st) {
         *a.old_value = v;
         uint64_t nv = a.op == Rma::fetch_add ? v + a.operand : (v == a.compare ? a.operand : v);
-        if (nv != v) st = cma(p.pid, &nv, k->w.addr + a.roff, 8, true);
+        if (nv != v) st = remote_rw(p, k, a.roff, &nv, 8, true);
       }
       pthread_mutex_unlock(lk);
       return st;
