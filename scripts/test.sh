@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite: installs what is missing, builds, runs the unit and
-# integration suites (the integration suites start hcomm-sim themselves).
+# integration suites (they start hcomm-sim themselves) and the fuzz suite
+# (deterministic mutation runs of the parser fuzz targets).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 scripts/build.sh "$@"
-meson test -C "${BUILD_DIR:-build}" --suite unit --suite integration --print-errorlogs
+meson test -C "${BUILD_DIR:-build}" --suite unit --suite integration --suite fuzz --print-errorlogs
