@@ -5,7 +5,6 @@
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -22,17 +21,6 @@
 namespace hcomm::api {
 
 namespace {
-
-// Mesh-socket messages (control plane; the data plane is the channels).
-enum class MeshType : uint32_t { segments = 1, advert = 2 };
-struct MeshMsg {
-  uint32_t type;  // MeshType
-  int32_t rank;
-  int32_t pid;
-  uint32_t slot;  // advert
-  uint32_t gen;   // advert
-  uint32_t nfds;
-};
 
 uint64_t fnv1a(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
@@ -502,6 +490,20 @@ bool Context::post_fin(Peer& p, uint64_t sreq, hcomm_status_t st) {
   return true;
 }
 
+// The first posted receive (in posting order) that a message from `source`
+// with `tag` matches, removed from the posted list; null if none.
+std::shared_ptr<Request> Context::take_posted(int source, uint64_t tag) {
+  for (auto it = _posted.begin(); it != _posted.end(); ++it) {
+    const Request& r = **it;
+    if ((r.peer == HCOMM_ANY_SOURCE || r.peer == source) && tag_match(tag, r.tag, r.tag_mask)) {
+      std::shared_ptr<Request> keep = std::move(*it);
+      _posted.erase(it);
+      return keep;
+    }
+  }
+  return nullptr;
+}
+
 void Context::handle(Peer& p, const MsgHdr& h, const uint8_t* payload) {
   if (h.type == static_cast<uint32_t>(MsgType::fin)) {
     auto it = _pending_sends.find(h.sreq);
@@ -512,14 +514,9 @@ void Context::handle(Peer& p, const MsgHdr& h, const uint8_t* payload) {
     _pending_sends.erase(it);
     return;
   }
-  for (auto it = _posted.begin(); it != _posted.end(); ++it) {
-    Request& r = **it;
-    if ((r.peer == HCOMM_ANY_SOURCE || r.peer == p.rank) && tag_match(h.tag, r.tag, r.tag_mask)) {
-      std::shared_ptr<Request> keep = *it;
-      _posted.erase(it);
-      deliver(*keep, p.rank, h, payload);
-      return;
-    }
+  if (std::shared_ptr<Request> r = take_posted(p.rank, h.tag)) {
+    deliver(*r, p.rank, h, payload);
+    return;
   }
   Unexpected u{p.rank, h, {}};
   if (h.type == static_cast<uint32_t>(MsgType::eager)) u.payload.assign(payload, payload + h.len);
@@ -571,46 +568,37 @@ void Context::pull(Request& r, int source, const MsgHdr& h) {
     // The sender's buffer is registered shareable memory: use the engine.
     hcomm_rkey* k = rendezvous_key(source, h.src_slot, h.src_gen);
     if (k != nullptr && h.src_off <= k->w.size && n <= k->w.size - h.src_off) {
-      RmaArgs a;
+      const hcomm_mem* local = find_local(r.rbuf, n);
+      if (!_dev) {
+        std::memcpy(r.rbuf, k->mapped + h.src_off, n);
+        moved = true;
+      } else if (local != nullptr && local->map.valid()) {
+        // Synchronous DMA inside progress: reap this queue only (no
+        // recursion into progress, the context lock stays held).
+        RmaArgs a;
         a.op = Rma::get;
         a.local = r.rbuf;
         a.len = n;
         a.rkey = k;
         a.roff = h.src_off;
-        const hcomm_mem* local = find_local(r.rbuf, n);
-        if (!_dev) {
-          std::memcpy(r.rbuf, k->mapped + h.src_off, n);
-          moved = true;
-        } else if (local != nullptr && local->map.valid()) {
-          // Synchronous DMA inside progress: reap this queue only (no
-          // recursion into progress, the context lock stays held).
-          std::shared_ptr<Request> g;
-          Status gs = rma(a, &g);
-          Deadline gdl = Deadline::after_ms(30000);
-          while (gs && !g->done() && !gdl.expired()) {
-            reap_npu();
-            cpu_relax();
-          }
-          if (gs && g->status == HCOMM_OK) moved = true;
+        std::shared_ptr<Request> g;
+        Status gs = rma(a, &g);
+        Deadline gdl = Deadline::after_ms(30000);
+        while (gs && !g->done() && !gdl.expired()) {
+          reap_npu();
+          cpu_relax();
         }
+        if (gs && g->status == HCOMM_OK) moved = true;
+      }
     }
   }
   if (!moved && n > 0) {
     // Any other buffer: the kernel's single copy out of the sender's memory.
-    iovec local{r.rbuf, n};
-    iovec remote{reinterpret_cast<void*>(h.addr), n};
-    size_t done = 0;
-    while (done < n) {
-      local = {r.rbuf + done, n - done};
-      remote = {reinterpret_cast<uint8_t*>(h.addr) + done, n - done};
-      ssize_t got = ::process_vm_readv(p.pid, &local, 1, &remote, 1, 0);
-      if (got <= 0) {
-        int err = errno;
-        st = err == ESRCH ? HCOMM_ERR_PEER_FAILURE : HCOMM_ERR_PROTOCOL;
-        why = std::string("rendezvous pull from rank ") + std::to_string(source) + ": " + std::strerror(err);
-        break;
-      }
-      done += static_cast<size_t>(got);
+    // A failure other than the sender vanishing means it sent a bad address.
+    Status cs = cma(p.pid, r.rbuf, h.addr, n, false);
+    if (!cs) {
+      st = cs.code() == Code::peer_failure ? HCOMM_ERR_PEER_FAILURE : HCOMM_ERR_PROTOCOL;
+      why = "rendezvous pull from rank " + std::to_string(source) + ": " + cs.message();
     }
   }
   if (!post_fin(p, h.sreq, st)) {
@@ -639,18 +627,13 @@ Status Context::isend(int dest, const void* buf, size_t len, uint64_t tag, std::
   *out = r;
   if (dest == _rank) {
     // To ourselves: match like any other message, copying directly.
-    for (auto it = _posted.begin(); it != _posted.end(); ++it) {
-      Request& q = **it;
-      if ((q.peer == HCOMM_ANY_SOURCE || q.peer == _rank) && tag_match(tag, q.tag, q.tag_mask)) {
-        std::shared_ptr<Request> keep = *it;
-        _posted.erase(it);
-        size_t n = std::min(len, q.rlen);
-        if (n > 0) std::memcpy(q.rbuf, buf, n);
-        q.info = {_rank, tag, len};
-        complete(q, len > q.rlen ? HCOMM_ERR_TRUNCATED : HCOMM_OK);
-        complete(*r, HCOMM_OK);
-        return Status::ok();
-      }
+    if (std::shared_ptr<Request> q = take_posted(_rank, tag)) {
+      size_t n = std::min(len, q->rlen);
+      if (n > 0) std::memcpy(q->rbuf, buf, n);
+      q->info = {_rank, tag, len};
+      complete(*q, len > q->rlen ? HCOMM_ERR_TRUNCATED : HCOMM_OK);
+      complete(*r, HCOMM_OK);
+      return Status::ok();
     }
     MsgHdr h{};
     h.type = static_cast<uint32_t>(MsgType::eager);

@@ -40,6 +40,9 @@ namespace hcomm::api {
 class Context;
 
 hcomm_status_t to_hcomm(Code c);
+// process_vm_readv (write = false) / writev of all of [remote, remote+len)
+// in process pid: peer_failure if it is gone (api/rma.cpp).
+Status cma(pid_t pid, void* local, uint64_t remote, size_t len, bool write);
 Code from_hcomm(hcomm_status_t s);
 
 // ---- control segment: each rank's registration table, shared read-mostly ----
@@ -79,6 +82,18 @@ struct CtrlSegment {
   // peer that dies holding one does not wedge the others.
   alignas(64) pthread_mutex_t locks[kLockStripes];
 };
+
+// ---- mesh-socket messages (control plane; the data plane is the channels) ----
+enum class MeshType : uint32_t { segments = 1, advert = 2 };
+struct MeshMsg {
+  uint32_t type;  // MeshType
+  int32_t rank;
+  int32_t pid;
+  uint32_t slot;  // advert
+  uint32_t gen;   // advert
+  uint32_t nfds;
+};
+static_assert(sizeof(MeshMsg) == 24);
 
 // ---- remote key wire format -------------------------------------------------------
 inline constexpr uint32_t kRkeyMagic = 0x4852434bu;  // "HRCK"
@@ -293,6 +308,7 @@ class Context {
   bool try_send(Peer& p, const std::shared_ptr<Request>& r);
   hcomm_rkey* rendezvous_key(int source, uint32_t slot, uint32_t gen);
   void handle(Peer& p, const MsgHdr& h, const uint8_t* payload);
+  std::shared_ptr<Request> take_posted(int source, uint64_t tag);
   void deliver(Request& r, int source, const MsgHdr& h, const uint8_t* payload);
   void pull(Request& r, int source, const MsgHdr& h);
   bool post_fin(Peer& p, uint64_t sreq, hcomm_status_t st);

@@ -57,9 +57,7 @@ void Context::publish(hcomm_mem* m) {
 // Hand the memfd of host_alloc memory to every peer now, so that a key the
 // user ships later (by any route) finds the fd already queued at the peer.
 void Context::advertise(hcomm_mem* m) {
-  struct {
-    uint32_t type, rank, pid, slot, gen, nfds;
-  } msg{2, static_cast<uint32_t>(_rank), static_cast<uint32_t>(::getpid()), m->slot, m->gen, 1};
+  MeshMsg msg{static_cast<uint32_t>(MeshType::advert), _rank, static_cast<int32_t>(::getpid()), m->slot, m->gen, 1};
   int fd = m->buf.fd();
   for (Peer& p : _peers) {
     if (p.rank == _rank || !p.alive) continue;

@@ -31,6 +31,8 @@ Code code_of_device(abi::CqStatus s) {
   }
 }
 
+}  // namespace
+
 // process_vm_readv/writev of one contiguous range, all of it.
 Status cma(pid_t pid, void* local, uint64_t remote, size_t len, bool write) {
   size_t done = 0;
@@ -47,8 +49,6 @@ Status cma(pid_t pid, void* local, uint64_t remote, size_t len, bool write) {
   }
   return Status::ok();
 }
-
-}  // namespace
 
 Status Context::lock_stripe(Peer& p, uint32_t slot, const Deadline& dl, pthread_mutex_t** out) {
   CtrlSegment* c = p.rank == _rank ? _ctrl : p.ctrl;
