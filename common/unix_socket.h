@@ -11,16 +11,20 @@
 
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/types.h>
+#include <sys/un.h>
 
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "common/fd.h"
+#include "common/status.h"
 #include "common/time.h"
 
 namespace hcomm::unix_socket {
@@ -162,6 +166,41 @@ inline Io send_all(int fd, std::span<const uint8_t> a, std::span<const uint8_t> 
     sent += static_cast<size_t>(n);
   }
   return Io::ok;
+}
+
+// Bind and listen on a non-blocking AF_UNIX stream socket at `path`. A stale
+// socket file left by a crashed server is replaced, but never a file that is
+// not a socket, nor one a live server still listens on. The caller unlinks
+// the path when it stops serving.
+inline Status listen_at(const std::string& path, UniqueFd* out) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof addr.sun_path)
+    return Status::error(Code::invalid_argument, "socket path '%s' is empty or too long", path.c_str());
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  struct stat sb {};
+  if (::lstat(path.c_str(), &sb) == 0) {
+    if (!S_ISSOCK(sb.st_mode))
+      return Status::error(Code::invalid_argument, "%s exists and is not a socket", path.c_str());
+    UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (probe.valid()) {
+      int rc = ::connect(probe.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+      if (rc == 0 || errno == EAGAIN)
+        return Status::error(Code::invalid_argument, "%s is served by another live server", path.c_str());
+    }
+    ::unlink(path.c_str());
+  }
+  UniqueFd lfd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!lfd.valid()) return Status::from_errno(errno, "socket(AF_UNIX)");
+  if (::bind(lfd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
+    return Status::from_errno(errno, "bind " + path);
+  if (::listen(lfd.get(), 8) != 0) {
+    int e = errno;
+    ::unlink(path.c_str());
+    return Status::from_errno(e, "listen " + path);
+  }
+  *out = std::move(lfd);
+  return Status::ok();
 }
 
 }  // namespace hcomm::unix_socket

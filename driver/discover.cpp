@@ -6,6 +6,8 @@
 #include <cstdlib>
 
 #include "common/paths.h"
+#include "driver/dma_memory.h"
+#include "driver/ivshmem_link.h"
 #include "driver/pci.h"
 #include "driver/vfio_link.h"
 #include "driver/vfio_user_link.h"
@@ -62,7 +64,18 @@ std::vector<unsigned> list_sim_devices(const std::string& dir) {
 
 Status open_link(const DeviceRef& ref, std::unique_ptr<Link>* out, int timeout_ms) {
   if (ref.kind == DeviceRef::Kind::sim) return open_vfio_user(ref.path, out, timeout_ms);
-  return open_vfio(ref.path, VfioOptions{}, out);
+  PciFunction fn;
+  HCOMM_TRY(PciScanner().read_function(ref.path, &fn));
+  if (!fn.is_ivshmem()) return open_vfio(ref.path, VfioOptions{}, out);
+  // hcomm-sim inside a QEMU guest: the model reaches guest RAM by physical
+  // address, so bus addresses are physical (iova-mode=pa) and DMA buffers
+  // must be contiguous.
+  VfioOptions o;
+  o.iova_mode_pa = true;
+  std::unique_ptr<Link> pci;
+  HCOMM_TRY(open_vfio(ref.path, o, &pci));
+  DmaBuffer::set_physically_contiguous(true);
+  return IvshmemLink::open(std::move(pci), IvshmemOptions{}, out);
 }
 
 }  // namespace hcomm::driver

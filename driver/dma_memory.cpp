@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <utility>
 
@@ -38,7 +39,12 @@ int populate(void* p, size_t len, size_t page, bool allow_touch) {
   return 0;
 }
 
+std::atomic<bool> g_contiguous{false};
+
 }  // namespace
+
+void DmaBuffer::set_physically_contiguous(bool on) { g_contiguous.store(on, std::memory_order_relaxed); }
+bool DmaBuffer::physically_contiguous() { return g_contiguous.load(std::memory_order_relaxed); }
 
 DmaBuffer::DmaBuffer(DmaBuffer&& o) noexcept
     : _data(std::exchange(o._data, nullptr)),
@@ -100,9 +106,10 @@ Status DmaBuffer::allocate(size_t bytes, int numa_node, DmaBuffer* out) {
   }
 
   // Hugepages first when the size asks for them, then normal pages.
-  const bool want_huge = bytes % kHugePageSize == 0;
+  const bool must_huge = physically_contiguous() && bytes > kSmallPage;
+  const bool want_huge = must_huge || bytes % kHugePageSize == 0;
   Status last;
-  for (int attempt = want_huge ? 0 : 1; attempt < 2; ++attempt) {
+  for (int attempt = want_huge ? 0 : 1; attempt < (must_huge ? 1 : 2); ++attempt) {
     const bool huge = attempt == 0;
     const size_t page = huge ? kHugePageSize : kSmallPage;
     const size_t len = (bytes + page - 1) / page * page;
@@ -145,6 +152,10 @@ Status DmaBuffer::allocate(size_t bytes, int numa_node, DmaBuffer* out) {
     *out = std::move(b);
     return Status::ok();
   }
+  if (must_huge)
+    return Status(last.code(), last.message() +
+                                   " (iova-mode=pa needs hugepages for buffers over 4 KiB: reserve some with "
+                                   "/proc/sys/vm/nr_hugepages)");
   return last;
 }
 

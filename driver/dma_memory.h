@@ -37,6 +37,14 @@ class DmaBuffer {
   // (libnuma) before they are first touched.
   static Status allocate(size_t bytes, int numa_node, DmaBuffer* out);
 
+  // Process-wide, like DPDK's EAL iova mode: once a link that uses physical
+  // addresses as bus addresses is open (iova-mode=pa), every buffer larger
+  // than a 4 KiB page comes from 2 MiB hugepages (rounded up) with no
+  // fallback, so that buffers up to 2 MiB are physically contiguous. The
+  // link still checks contiguity of what it maps.
+  static void set_physically_contiguous(bool on);
+  static bool physically_contiguous();
+
   void* data() const { return _data; }
   size_t size() const { return _size; }  // mapped bytes (>= requested)
   int fd() const { return _fd; }         // owned by the buffer; dup() to keep it longer

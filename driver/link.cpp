@@ -7,11 +7,19 @@
 namespace hcomm::driver {
 
 void Doorbell::ring(uint32_t value) const {
+  if (fixed) value = fixed_value;
   if (mmio != nullptr) {
     // Device (write) barrier before the MMIO: the descriptor and the tail in
     // the shadow block must be visible before the device is poked.
     wmb();
     *mmio = value;
+    return;
+  }
+  if (pwrite_fd >= 0) {
+    wmb();
+    // A failed pwrite is a vanished device; the waiter's deadline reports it.
+    ssize_t n = ::pwrite(pwrite_fd, &value, sizeof value, static_cast<off_t>(pwrite_offset));
+    (void)n;
     return;
   }
   if (eventfd >= 0) {

@@ -1,7 +1,7 @@
 // Link: how the process reaches one device. Everything above (hal/npu) is
 // written against this interface and does not know whether the device is
-// silicon behind Linux VFIO, hcomm-sim behind vfio-user, or (later) an
-// ivshmem-backed model inside a QEMU guest.
+// silicon behind Linux VFIO, hcomm-sim behind vfio-user, or hcomm-sim
+// behind QEMU's ivshmem inside a guest (driver/ivshmem_link.h).
 //
 // Cold-path interface: virtual calls are fine here. The hot path (doorbells,
 // ring writes) goes through the raw pointers and fds this interface hands out.
@@ -25,11 +25,19 @@ struct RegionInfo {
   bool mmapable = false;
 };
 
-// A doorbell the HAL can ring without a virtual call: either an MMIO word
-// (BAR0 mapped) or an eventfd the device listens on (vfio-user ioeventfd).
+// A doorbell the HAL can ring without a virtual call: an MMIO word (BAR0
+// mapped), an eventfd the device listens on (vfio-user ioeventfd), or, when
+// VFIO cannot mmap the BAR, a 4-byte pwrite at `pwrite_offset` of a VFIO
+// device fd (one system call per ring).
 struct Doorbell {
   volatile uint32_t* mmio = nullptr;
   int eventfd = -1;
+  int pwrite_fd = -1;
+  uint64_t pwrite_offset = 0;
+  // The word written is this instead of the caller's value (ivshmem's
+  // DOORBELL register takes (peer << 16) | vector, not a ring index).
+  bool fixed = false;
+  uint32_t fixed_value = 0;
   void ring(uint32_t value) const;  // driver/link.cpp
 };
 

@@ -411,15 +411,22 @@ Status VfioLink::write(uint32_t region, uint64_t offset, const void* data, size_
 }
 
 Status VfioLink::doorbell(uint64_t bar0_offset, Doorbell* out) {
-  // docs/device-abi.md §8: doorbells are 32-bit MMIO words in BAR0. Without a
-  // BAR0 mapping there is nothing the HAL could write without a syscall.
-  if (_maps[VFIO_PCI_BAR0_REGION_INDEX] == nullptr)
-    return Status::error(Code::unsupported, "vfio %s: BAR0 is not mapped, so no MMIO doorbells", _addr.c_str());
+  // docs/device-abi.md §8: doorbells are 32-bit MMIO words in BAR0.
   const Region* r = nullptr;
   HCOMM_TRY(region_check(VFIO_PCI_BAR0_REGION_INDEX, bar0_offset, 4, &r));
   if (bar0_offset % 4 != 0)
     return Status::error(Code::invalid_argument, "vfio %s: doorbell offset 0x%llx not 4-byte aligned",
                          _addr.c_str(), static_cast<unsigned long long>(bar0_offset));
+  *out = Doorbell{};
+  if (_maps[VFIO_PCI_BAR0_REGION_INDEX] == nullptr) {
+    // VFIO would not mmap BAR0 (e.g. a BAR smaller than a page that does not
+    // start on one): the doorbell is a pwrite on the device fd.
+    if ((r->flags & VFIO_REGION_INFO_FLAG_WRITE) == 0)
+      return Status::error(Code::unsupported, "vfio %s: BAR0 is neither mapped nor writable", _addr.c_str());
+    out->pwrite_fd = _device;
+    out->pwrite_offset = r->offset + bar0_offset;
+    return Status::ok();
+  }
   out->mmio = reinterpret_cast<volatile uint32_t*>(static_cast<uint8_t*>(_maps[VFIO_PCI_BAR0_REGION_INDEX]) +
                                                    bar0_offset);
   out->eventfd = -1;

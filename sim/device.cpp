@@ -83,7 +83,7 @@ Device::~Device() {
   std::unique_lock lk(_dma_mu);
   for (auto& [bus, r] : _dma) ::munmap(r.host, r.len);
   _dma.clear();
-  if (_hbm != nullptr) ::munmap(_hbm, _cfg.hbm_size);
+  if (_file != nullptr) ::munmap(_file, _file_size);
 }
 
 Status Device::init() {
@@ -93,14 +93,18 @@ Status Device::init() {
     return Status::error(Code::invalid_argument, "HBM size must be a non-zero multiple of 4 KiB");
   if (_cfg.max_queue_log2 < 1 || _cfg.max_queue_log2 > 20)
     return Status::error(Code::invalid_argument, "max queue log2 must be 1..20");
+  if (_cfg.hbm_file_offset % 4096 != 0 || _cfg.hbm_file_offset > (uint64_t{1} << 40))
+    return Status::error(Code::invalid_argument, "HBM file offset must be 4 KiB aligned");
+  _file_size = std::max(_cfg.hbm_file_size, _cfg.hbm_file_offset + _cfg.hbm_size);
   int fd = ::memfd_create("hcomm-sim-hbm", MFD_CLOEXEC);
   if (fd < 0) return Status::from_errno(errno, "memfd_create(hbm)");
   _hbm_fd.reset(fd);
-  if (::ftruncate(fd, static_cast<off_t>(_cfg.hbm_size)) != 0)
+  if (::ftruncate(fd, static_cast<off_t>(_file_size)) != 0)
     return Status::from_errno(errno, "ftruncate(hbm)");
-  void* p = ::mmap(nullptr, _cfg.hbm_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* p = ::mmap(nullptr, _file_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) return Status::from_errno(errno, "mmap(hbm)");
-  _hbm = static_cast<uint8_t*>(p);
+  _file = static_cast<uint8_t*>(p);
+  _hbm = _file + _cfg.hbm_file_offset;
   _att.assign(_cfg.num_att, AttEntry{});
   _msix.resize(_cfg.num_queues);
   for (uint32_t i = 0; i < _cfg.num_queues; ++i) {

@@ -39,6 +39,11 @@ struct DeviceConfig {
   uint32_t num_att = 1024;
   // Engine polling: spin this long on an idle queue before sleeping.
   uint32_t spin_us = 50;
+  // The HBM memfd may carry a prefix the front uses (the ivshmem front puts
+  // its header and register mailbox there): HBM starts at hbm_file_offset,
+  // and the file is at least hbm_file_size bytes (0: offset + HBM).
+  uint64_t hbm_file_offset = 0;
+  uint64_t hbm_file_size = 0;
 };
 
 // Fault injection (sim/faults: command line and control socket).
@@ -75,8 +80,12 @@ class Device {
   // BAR0 registers: 4- or 8-byte accesses at natural alignment.
   Status bar0_read(uint64_t offset, void* data, size_t len);
   Status bar0_write(uint64_t offset, const void* data, size_t len);
-  // BAR2 = HBM: mmapable; the memfd and its size.
+  // BAR2 = HBM: mmapable; the memfd, where HBM starts in it, and its size.
   int hbm_fd() const { return _hbm_fd.get(); }
+  uint64_t hbm_fd_offset() const { return _cfg.hbm_file_offset; }
+  // The whole memfd as mapped here (prefix + HBM + any tail).
+  uint8_t* file_base() const { return _file; }
+  uint64_t file_size() const { return _file_size; }
   uint64_t hbm_size() const { return _cfg.hbm_size; }
   uint8_t* hbm() const { return _hbm; }
   // Slow-path HBM access for fronts without mmap (vfio-user REGION_READ/WRITE on BAR2).
@@ -140,6 +149,8 @@ class Device {
   DeviceConfig _cfg;
   Fabric* _fabric;
   UniqueFd _hbm_fd;
+  uint8_t* _file = nullptr;
+  uint64_t _file_size = 0;
   uint8_t* _hbm = nullptr;
 
   mutable std::mutex _reg_mu;  // register file (front thread vs reset)

@@ -2,10 +2,13 @@
 //
 //   hcomm-sim [--devices N] [--hbm SIZE] [--queues Q] [--dir DIR]
 //             [--fault "CMD"]... [--spin-us US]
+//             [--front vfio-user|ivshmem] [--guest-ram FILE]
 //
-// Creates DIR/npu<i>.sock (vfio-user), DIR/control.sock (fault injection,
-// see sim/control.h) and, once everything listens, DIR/ready containing the
-// pid. SIGINT/SIGTERM shut it down cleanly and remove the sockets.
+// Creates DIR/npu<i>.sock (vfio-user) or, with --front ivshmem, DIR/npu<i>.ivshmem
+// (an ivshmem server socket for QEMU's ivshmem-doorbell), DIR/control.sock
+// (fault injection, see sim/control.h) and, once everything listens,
+// DIR/ready containing the pid. SIGINT/SIGTERM shut it down cleanly and
+// remove the sockets.
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -22,6 +25,7 @@
 #include "common/paths.h"
 #include "sim/control.h"
 #include "sim/device.h"
+#include "sim/ivshmem_front.h"
 #include "sim/vfio_user_server.h"
 
 namespace {
@@ -60,7 +64,11 @@ void usage() {
                "  --queues Q    DMA queues per device (1..16, default 4)\n"
                "  --dir DIR     socket directory (default $HCOMM_SIM_DIR or /tmp/hcomm-sim-$UID)\n"
                "  --fault CMD   a control command applied at start, e.g. \"fail 0 3\"\n"
-               "  --spin-us US  engine busy-poll time before sleeping (default 50)\n");
+               "  --spin-us US  engine busy-poll time before sleeping (default 50)\n"
+               "  --front F     vfio-user (default: DIR/npuN.sock, for processes on this host) or\n"
+               "                ivshmem (DIR/npuN.ivshmem, for QEMU guests: -device ivshmem-doorbell)\n"
+               "  --guest-ram FILE  with --front ivshmem: the guest's RAM file (memory-backend-file,\n"
+               "                share=on); the device DMAs into it\n");
 }
 
 }  // namespace
@@ -71,6 +79,7 @@ int main(int argc, char** argv) {
   uint64_t hbm = 256ull << 20;
   std::string dir = default_sim_dir();
   std::vector<std::string> faults;
+  std::string front = "vfio-user", guest_ram;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> const char* {
@@ -95,6 +104,11 @@ int main(int argc, char** argv) {
       faults.emplace_back(next());
     } else if (a == "--spin-us") {
       if (!parse_u32(next(), 0, 1000000, &spin_us)) return usage(), 2;
+    } else if (a == "--front") {
+      front = next();
+      if (front != "vfio-user" && front != "ivshmem") return usage(), 2;
+    } else if (a == "--guest-ram") {
+      guest_ram = next();
     } else if (a == "-h" || a == "--help") {
       usage();
       return 0;
@@ -123,6 +137,7 @@ int main(int argc, char** argv) {
     cfg.hbm_size = hbm;
     cfg.num_queues = queues;
     cfg.spin_us = spin_us;
+    if (front == "ivshmem") sim::ivshmem_device_config(&cfg);
     auto dev = std::make_unique<sim::Device>(cfg, &fabric);
     if (Status st = dev->init(); !st) {
       std::fprintf(stderr, "hcomm-sim: device %u: %s\n", d, st.to_string().c_str());
@@ -142,7 +157,14 @@ int main(int argc, char** argv) {
   }
   std::vector<std::unique_ptr<sim::Front>> fronts;
   for (uint32_t d = 0; d < devices; ++d) {
-    auto f = std::make_unique<sim::VfioUserServer>(*fabric.device(d), sim_socket_path(dir, d));
+    std::unique_ptr<sim::Front> f;
+    if (front == "ivshmem") {
+      sim::IvshmemFrontOptions o;
+      o.guest_ram_path = guest_ram;
+      f = std::make_unique<sim::IvshmemFront>(*fabric.device(d), dir + "/npu" + std::to_string(d) + ".ivshmem", o);
+    } else {
+      f = std::make_unique<sim::VfioUserServer>(*fabric.device(d), sim_socket_path(dir, d));
+    }
     if (Status st = f->start(); !st) {
       std::fprintf(stderr, "hcomm-sim: %s\n", st.to_string().c_str());
       return 1;

@@ -83,40 +83,8 @@ std::string VfioUserServer::describe() const { return "vfio-user " + _path; }
 
 Status VfioUserServer::start() {
   if (_thread.joinable()) return Status::error(Code::invalid_argument, "%s: already started", _path.c_str());
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (_path.empty() || _path.size() >= sizeof addr.sun_path) {
-    return Status::error(Code::invalid_argument, "socket path '%s' is empty or too long", _path.c_str());
-  }
-  std::memcpy(addr.sun_path, _path.c_str(), _path.size() + 1);
-
-  // Replace a stale socket left by a crashed server, but never delete a file
-  // that is not a socket, nor one a live server still listens on.
-  struct stat sb {};
-  if (::lstat(_path.c_str(), &sb) == 0) {
-    if (!S_ISSOCK(sb.st_mode)) {
-      return Status::error(Code::invalid_argument, "%s exists and is not a socket", _path.c_str());
-    }
-    UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-    if (probe.valid()) {
-      int rc = ::connect(probe.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-      if (rc == 0 || errno == EAGAIN) {
-        return Status::error(Code::invalid_argument, "%s is served by another live server", _path.c_str());
-      }
-    }
-    ::unlink(_path.c_str());
-  }
-
-  UniqueFd lfd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (!lfd.valid()) return Status::from_errno(errno, "socket(AF_UNIX)");
-  if (::bind(lfd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    return Status::from_errno(errno, "bind " + _path);
-  }
-  if (::listen(lfd.get(), 8) != 0) {
-    int e = errno;
-    ::unlink(_path.c_str());
-    return Status::from_errno(e, "listen " + _path);
-  }
+  UniqueFd lfd;
+  HCOMM_TRY(unix_socket::listen_at(_path, &lfd));
   UniqueFd efd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!efd.valid()) {
     int e = errno;
@@ -346,7 +314,7 @@ void VfioUserServer::do_region_info(Message& m, Reply* r) {
   // HBM is mmapable when the client can take the fd (max_msg_fds may be 0).
   if (in.index == vu::kRegionBar2 && _dev.hbm_fd() >= 0 && _peer.max_msg_fds >= 1) {
     out.flags |= VFIO_REGION_INFO_FLAG_MMAP;
-    out.offset = 0;
+    out.offset = _dev.hbm_fd_offset();
     r->fds.push_back(_dev.hbm_fd());
   }
   r->append(out);

@@ -196,6 +196,12 @@ uint32_t DmaQueue::poll(std::span<Completion> out) {
   return n;
 }
 
+uint64_t DmaQueue::interrupts() {
+  uint64_t cnt = 0;
+  if (_irq.valid() && ::read(_irq.get(), &cnt, sizeof cnt) == sizeof cnt) _interrupts += cnt;
+  return _interrupts;
+}
+
 Code DmaQueue::wait(const Deadline& deadline) {
   auto ready = [&] {
     const abi::CqEntry& c = _cq.at(_cq_head);
@@ -213,9 +219,8 @@ Code DmaQueue::wait(const Deadline& deadline) {
       pollfd p{_irq.get(), POLLIN, 0};
       int ms = std::min(deadline.remaining_ms(), 10);
       if (::poll(&p, 1, ms) > 0) {
-        uint64_t cnt;
-        ssize_t r = ::read(_irq.get(), &cnt, sizeof cnt);
-        (void)r;
+        uint64_t cnt = 0;
+        if (::read(_irq.get(), &cnt, sizeof cnt) == sizeof cnt) _interrupts += cnt;
       }
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(20));

@@ -74,6 +74,10 @@ class DmaQueue {
 
   // Doorbells actually rung (wake-up suppression skips the rest).
   uint64_t doorbells() const { return _doorbells; }
+  // MSI-X interrupts signalled to this queue so far (0 without interrupts),
+  // including ones no wait() had to sleep for. Diagnostics: it drains the
+  // queue's eventfd.
+  uint64_t interrupts();
 
  private:
   friend class Device;
@@ -96,6 +100,7 @@ class DmaQueue {
   uint32_t _cq_head = 0;    // next CQ index to read (driver-owned)
   uint32_t _reaped = 0;     // completions reaped
   uint64_t _doorbells = 0;
+  uint64_t _interrupts = 0;
 };
 
 }  // namespace hcomm::hal::npu

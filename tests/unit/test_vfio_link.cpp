@@ -458,8 +458,14 @@ TEST_F(VfioLinkTest, Bar0TrappedWhenNotMmapable) {
   std::snprintf(want, sizeof want, "pread 12 0x%x 4", abi::reg::SCRATCH);
   EXPECT_EQ(kernel.calls.back(), want);
   EXPECT_EQ(v, 0x5a5a5a5au);
+  // Without a mapping the doorbell is a pwrite on the device fd, at the
+  // BAR0 region offset (0 here) plus the doorbell's.
   Doorbell db;
-  EXPECT_EQ(link->doorbell(abi::reg::doorbell(0), &db).code(), Code::unsupported);
+  ASSERT_TRUE(link->doorbell(abi::reg::doorbell(1), &db).is_ok());
+  EXPECT_EQ(db.mmio, nullptr);
+  EXPECT_EQ(db.pwrite_fd, 12);
+  EXPECT_EQ(db.pwrite_offset, abi::reg::doorbell(1));
+  EXPECT_EQ(link->doorbell(abi::reg::doorbell(0) + 2, &db).code(), Code::invalid_argument);
 }
 
 TEST_F(VfioLinkTest, OtherRegionsTrappedAndMapped) {

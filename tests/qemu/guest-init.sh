@@ -1,0 +1,59 @@
+#!/bin/busybox sh
+# /init of the qemu-suite guest (tests/qemu/build-guest.sh puts it there).
+# Binds every ivshmem function to vfio-pci through driver_override, runs the
+# checks through the real VFIO driver and reports each result on the serial
+# console as "HCOMM-RESULT <name> <exit status>", then "HCOMM-DONE" and powers
+# off. The host side (tests/qemu/run-guest.sh) reads that and decides.
+/bin/busybox --install -s /bin
+export PATH=/bin:/sbin:/hcomm
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+mount -t tmpfs tmp /tmp
+mkdir -p /dev/shm && mount -t tmpfs shm /dev/shm
+exec >/dev/console 2>&1
+
+result() { echo "HCOMM-RESULT $1 $2"; }
+finish() { echo "HCOMM-DONE"; sync; poweroff -f; }
+trap finish EXIT
+
+echo "hcomm guest: kernel $(uname -r), $(nproc) CPUs, $(grep MemTotal /proc/meminfo)"
+# Hugepages for iova-mode=pa DMA buffers (physically contiguous).
+echo "${HCOMM_HUGEPAGES:-192}" > /proc/sys/vm/nr_hugepages
+echo "hcomm guest: $(cat /proc/sys/vm/nr_hugepages) hugepages"
+
+rc=0
+for m in irqbypass vfio vfio_iommu_type1 vfio_virqfd vfio-pci-core vfio-pci; do
+  insmod /lib/modules/$m.ko* || rc=1
+done
+result modules $rc
+
+devs=""
+for d in /sys/bus/pci/devices/*; do
+  [ "$(cat $d/vendor)" = 0x1af4 ] && [ "$(cat $d/device)" = 0x1110 ] || continue
+  a=$(basename $d)
+  echo vfio-pci > $d/driver_override
+  [ -e $d/driver ] && echo $a > $d/driver/unbind
+  echo $a > /sys/bus/pci/drivers_probe
+  devs="$devs $a"
+done
+set -- $devs
+bound=0
+for a in "$@"; do [ "$(basename $(readlink /sys/bus/pci/devices/$a/driver))" = vfio-pci ] && bound=$((bound + 1)); done
+echo "hcomm guest: ivshmem functions:$devs ($bound bound to vfio-pci); /dev/vfio: $(ls /dev/vfio | tr '\n' ' ')"
+[ $# -ge 2 ] && [ $bound -eq $# ]
+result bind $?
+ulimit -l unlimited
+
+run() {  # run NAME TIMEOUT_S CMD...: bounded, reported
+  name=$1 t=$2
+  shift 2
+  echo "hcomm guest: == $name: $*"
+  timeout "$t" "$@"
+  result "$name" $?
+}
+run probe-list 60 hcomm-probe list
+run probe-info 60 hcomm-probe info "$1"
+run probe-selftest 120 hcomm-probe selftest "$1"
+run probe-selftest-1 120 hcomm-probe selftest "$2"
+HCOMM_TEST_DEVICES="$1,$2" run npu-conformance 400 integration_npu_dma --gtest_color=no --gtest_filter="${gtest_filter:-*}"
