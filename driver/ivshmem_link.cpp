@@ -169,7 +169,7 @@ Status IvshmemLink::map_region(uint32_t region, void** out, uint64_t* size) {
 
 Status IvshmemLink::read(uint32_t region, uint64_t offset, void* data, size_t len) {
   if (region == abi::kBarRegs) {
-    if ((len != 4 && len != 8) || offset % len != 0 || offset + len > abi::kBar0Size)
+    if ((len != 4 && len != 8) || offset % len != 0 || offset > abi::kBar0Size - len)
       return Status::error(Code::invalid_argument, "ivshmem %s: BAR0 read of %zu bytes at %#llx (4 or 8, aligned)",
                            location().c_str(), len, static_cast<unsigned long long>(offset));
     uint64_t v = 0;
@@ -190,7 +190,7 @@ Status IvshmemLink::read(uint32_t region, uint64_t offset, void* data, size_t le
 
 Status IvshmemLink::write(uint32_t region, uint64_t offset, const void* data, size_t len) {
   if (region == abi::kBarRegs) {
-    if ((len != 4 && len != 8) || offset % len != 0 || offset + len > abi::kBar0Size)
+    if ((len != 4 && len != 8) || offset % len != 0 || offset > abi::kBar0Size - len)
       return Status::error(Code::invalid_argument, "ivshmem %s: BAR0 write of %zu bytes at %#llx (4 or 8, aligned)",
                            location().c_str(), len, static_cast<unsigned long long>(offset));
     uint64_t v = 0;

@@ -198,7 +198,7 @@ uint64_t pick(uint64_t reg, uint64_t base, uint64_t offset, size_t len) {
 
 Status Device::bar0_read(uint64_t offset, void* data, size_t len) {
   namespace reg = abi::reg;
-  if ((len != 4 && len != 8) || offset % len != 0 || offset + len > abi::kBar0Size)
+  if ((len != 4 && len != 8) || offset % len != 0 || offset > abi::kBar0Size - len)
     return Status::error(Code::invalid_argument, "BAR0 read of %zu bytes at %#lx: need an aligned 4/8-byte access",
                          len, static_cast<unsigned long>(offset));
   uint64_t v = 0;
@@ -268,7 +268,7 @@ Status Device::bar0_read(uint64_t offset, void* data, size_t len) {
 
 Status Device::bar0_write(uint64_t offset, const void* data, size_t len) {
   namespace reg = abi::reg;
-  if ((len != 4 && len != 8) || offset % len != 0 || offset + len > abi::kBar0Size)
+  if ((len != 4 && len != 8) || offset % len != 0 || offset > abi::kBar0Size - len)
     return Status::error(Code::invalid_argument, "BAR0 write of %zu bytes at %#lx: need an aligned 4/8-byte access",
                          len, static_cast<unsigned long>(offset));
   uint64_t v = 0;
