@@ -156,8 +156,28 @@ Status Context::init(const hcomm_config_t& cfg) {
 Status Context::init_npu(const hcomm_config_t& cfg, const LaunchInfo& li) {
   std::string name = cfg.device != nullptr ? cfg.device : "";
   if (name.empty()) {
-    if (const char* d = std::getenv("HCOMM_DEVICE"); d != nullptr && *d != '\0') name = d;
-    else name = "sim:" + std::to_string(li.local_rank);
+    if (const char* d = std::getenv("HCOMM_DEVICE"); d != nullptr && *d != '\0') {
+      // One name, or a comma-separated list indexed by local rank (a job's
+      // ranks on one host share the environment).
+      std::vector<std::string> names;
+      std::string all = d;
+      for (size_t pos = 0; pos <= all.size();) {
+        size_t c = all.find(',', pos);
+        if (c == std::string::npos) c = all.size();
+        names.push_back(all.substr(pos, c - pos));
+        pos = c + 1;
+      }
+      if (names.size() == 1) {
+        name = names[0];
+      } else if (li.local_rank < static_cast<int>(names.size()) && !names[li.local_rank].empty()) {
+        name = names[li.local_rank];
+      } else {
+        return Status::error(Code::invalid_argument, "HCOMM_DEVICE='%s' names no device for local rank %d", d,
+                             li.local_rank);
+      }
+    } else {
+      name = "sim:" + std::to_string(li.local_rank);
+    }
   }
   driver::DeviceRef ref;
   HCOMM_TRY(driver::parse_device_name(name, default_sim_dir(), &ref));

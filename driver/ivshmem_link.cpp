@@ -246,25 +246,39 @@ Status IvshmemLink::dma_map(void* vaddr, uint64_t len, int fd, uint64_t fd_offse
   HCOMM_TRY(_pci->dma_map(vaddr, len, fd, fd_offset, prot, &bus));
   const uint64_t start = bus & ~(kPage - 1);
   const uint64_t mlen = (bus + len + kPage - 1) / kPage * kPage - start;
-  Status st = call(iv::MailboxOp::dma_map, 0, start, 0, mlen, prot, nullptr);
-  if (!st) {
-    (void)_pci->dma_unmap(bus, len);
-    return st;
+  uint64_t range = start;
+  auto it = _ranges.upper_bound(start);
+  if (it != _ranges.begin() && std::prev(it)->first + std::prev(it)->second.len >= start + mlen) {
+    ++std::prev(it)->second.refs;  // the model can already reach it
+    range = std::prev(it)->first;
+  } else {
+    Status st = call(iv::MailboxOp::dma_map, 0, start, 0, mlen, prot, nullptr);
+    if (!st) {
+      (void)_pci->dma_unmap(bus, len);
+      return st;
+    }
+    _ranges[start] = DmaRange{mlen, 1};
   }
-  _dma[bus] = {start, mlen};
+  _views.emplace(bus, std::make_pair(range, len));
   *bus_addr = bus;
   return Status::ok();
 }
 
 Status IvshmemLink::dma_unmap(uint64_t bus_addr, uint64_t len) {
-  auto it = _dma.find(bus_addr);
-  if (it == _dma.end())
-    return Status::error(Code::not_found, "ivshmem %s: no DMA mapping at %#llx", location().c_str(),
-                         static_cast<unsigned long long>(bus_addr));
-  // The model stops using the range before the IOMMU mapping goes.
-  Status st = call(iv::MailboxOp::dma_unmap, 0, it->second.first, 0, it->second.second, 0, nullptr);
+  auto [v, end] = _views.equal_range(bus_addr);
+  while (v != end && v->second.second != len) ++v;
+  if (v == end)
+    return Status::error(Code::not_found, "ivshmem %s: no DMA mapping of %llu bytes at %#llx", location().c_str(),
+                         static_cast<unsigned long long>(len), static_cast<unsigned long long>(bus_addr));
+  auto r = _ranges.find(v->second.first);
+  _views.erase(v);
+  Status st;
+  if (r != _ranges.end() && --r->second.refs == 0) {
+    // The model stops using the range before the IOMMU mapping goes.
+    st = call(iv::MailboxOp::dma_unmap, 0, r->first, 0, r->second.len, 0, nullptr);
+    _ranges.erase(r);
+  }
   Status st2 = _pci->dma_unmap(bus_addr, len);
-  _dma.erase(it);
   return !st ? st : st2;
 }
 

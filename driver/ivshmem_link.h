@@ -82,8 +82,16 @@ class IvshmemLink final : public Link {
   std::mutex _mu;  // one mailbox request at a time
   uint32_t _seq = 0;
   uint64_t _calls = 0;
-  // bus address handed out -> page-aligned range the model was told about
-  std::map<uint64_t, std::pair<uint64_t, uint64_t>> _dma;
+  // What the model was told: page-aligned ranges by start, each with the
+  // number of dma_map calls it serves (in iova-mode=pa a second mapping of
+  // the same memory, or of part of it, has the same bus addresses and
+  // shares the range). _views: bus address handed out -> (range, length).
+  struct DmaRange {
+    uint64_t len = 0;
+    uint32_t refs = 0;
+  };
+  std::map<uint64_t, DmaRange> _ranges;
+  std::multimap<uint64_t, std::pair<uint64_t, uint64_t>> _views;
 };
 
 }  // namespace hcomm::driver

@@ -13,6 +13,10 @@
 
 #include "driver/pci.h"
 
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22  // Linux 5.14; older kernels answer EINVAL
+#endif
+
 namespace hcomm::driver {
 
 namespace {
@@ -588,7 +592,26 @@ Status VfioLink::dma_map(void* vaddr, uint64_t len, int /*fd*/, uint64_t /*fd_of
   Mapping m;
   m.len = mlen;
   if (_opts.iova_mode_pa) {
+    // pagemap shows only pages present in this process's page tables: a
+    // buffer mapped from another process's memfd may not be faulted in yet.
+    if (::madvise(reinterpret_cast<void*>(start), mlen, MADV_POPULATE_READ) != 0) {
+      for (uint64_t off = 0; off < mlen; off += kPage) (void)*reinterpret_cast<volatile const uint8_t*>(start + off);
+    }
     HCOMM_TRY(physical_address(reinterpret_cast<void*>(start), mlen, &m.iova));
+    for (auto& [key, o] : _mappings) {
+      if (o.iova <= m.iova && m.iova + mlen <= o.iova + o.len) {  // already reachable: a view
+        ++o.refs;
+        _views.emplace(m.iova + in_page, View{key, len});
+        *bus_addr = m.iova + in_page;
+        return Status::ok();
+      }
+      if (m.iova < o.iova + o.len && o.iova < m.iova + mlen)
+        return Status::error(Code::invalid_argument,
+                             "vfio %s: iova-mode=pa: [0x%llx,+0x%llx) partly overlaps a mapping of the same "
+                             "physical memory; map the larger range first",
+                             _addr.c_str(), static_cast<unsigned long long>(m.iova),
+                             static_cast<unsigned long long>(mlen));
+    }
   } else {
     HCOMM_TRY(iova_alloc(mlen, &m.iova));
     m.allocated = true;
@@ -623,8 +646,14 @@ Status VfioLink::dma_map(void* vaddr, uint64_t len, int /*fd*/, uint64_t /*fd_of
 }
 
 Status VfioLink::dma_unmap(uint64_t bus_addr, uint64_t len) {
+  for (auto [v, end] = _views.equal_range(bus_addr); v != end; ++v) {
+    if (v->second.len != len) continue;
+    auto owner = _mappings.find(v->second.owner);
+    _views.erase(v);
+    return owner != _mappings.end() ? release(owner) : Status::ok();
+  }
   auto it = _mappings.find(bus_addr);
-  if (it == _mappings.end())
+  if (it == _mappings.end() || it->second.released)
     return Status::error(Code::not_found, "vfio %s: no DMA mapping at bus address 0x%llx", _addr.c_str(),
                          static_cast<unsigned long long>(bus_addr));
   const Mapping m = it->second;
@@ -634,6 +663,13 @@ Status VfioLink::dma_unmap(uint64_t bus_addr, uint64_t len) {
                          "vfio %s: dma_unmap of %llu bytes at 0x%llx does not match the mapping (%llu bytes)",
                          _addr.c_str(), static_cast<unsigned long long>(len),
                          static_cast<unsigned long long>(bus_addr), static_cast<unsigned long long>(m.len));
+  it->second.released = true;
+  return release(it);
+}
+
+Status VfioLink::release(std::map<uint64_t, Mapping>::iterator it) {
+  if (--it->second.refs > 0) return Status::ok();  // views still use it
+  const Mapping m = it->second;
   if (m.via_iommu) {
     vfio_iommu_type1_dma_unmap um{};
     um.argsz = sizeof um;

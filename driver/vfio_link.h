@@ -110,7 +110,18 @@ class VfioLink final : public Link {
     uint64_t len = 0;       // page-aligned length actually mapped
     bool allocated = false; // IOVA came from the allocator (va mode)
     bool via_iommu = false; // MAP_DMA was issued (false in no-IOMMU mode)
+    // iova-mode=pa: memory mapped again (another view of a shared buffer, a
+    // sub-range of a mapped one) has the same physical, hence bus, address
+    // and shares this IOMMU mapping: refs counts the mapping itself while
+    // not unmapped (released = false) plus its views.
+    uint32_t refs = 1;
+    bool released = false;
   };
+  struct View {
+    uint64_t owner = 0;  // key in _mappings
+    uint64_t len = 0;    // as the caller mapped it
+  };
+  Status release(std::map<uint64_t, Mapping>::iterator it);
   static constexpr uint32_t kNumRegions = 9;  // VFIO_PCI_NUM_REGIONS
 
   VfioLink(VfioSys* sys, std::string addr, const VfioOptions& opts);
@@ -142,6 +153,8 @@ class VfioLink final : public Link {
   std::vector<int> _msix_fds;
   // Live DMA mappings, keyed by the bus address returned to the caller.
   std::map<uint64_t, Mapping> _mappings;
+  // iova-mode=pa views sharing a mapping: bus address -> owner.
+  std::multimap<uint64_t, View> _views;
   // Free IOVA ranges: start -> length, disjoint and coalesced.
   std::map<uint64_t, uint64_t> _iova_free;
 };

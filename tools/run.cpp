@@ -10,8 +10,8 @@
 // (kept apart), in one write, so lines never mix mid-line; a line longer
 // than 64 KiB is split. The ranks' stdin is /dev/null.
 //
-// Simulator: with --sim, or when HCOMM_ENGINE=npu and no simulator socket
-// exists in $HCOMM_SIM_DIR (default /tmp/hcomm-sim-<uid>), hcomm-sim is
+// Simulator: with --sim, or when HCOMM_ENGINE=npu, HCOMM_DEVICE is unset and
+// no simulator socket exists in $HCOMM_SIM_DIR (default /tmp/hcomm-sim-<uid>), hcomm-sim is
 // started in a fresh temp dir with --devices max(N,2) (or K), its output is
 // prefixed "[sim] ", HCOMM_SIM_DIR points the ranks at it, and it is stopped
 // at the end. hcomm-sim is looked up next to this binary
@@ -264,6 +264,7 @@ bool wants_sim(const Options& o) {
   if (o.sim) return true;
   const char* eng = std::getenv("HCOMM_ENGINE");
   if (eng == nullptr || std::string(eng) != "npu") return false;
+  if (const char* d = std::getenv("HCOMM_DEVICE"); d != nullptr && *d != '\0') return false;  // real devices
   struct stat sb{};
   return ::stat(hcomm::sim_socket_path(hcomm::default_sim_dir(), 0).c_str(), &sb) != 0;
 }

@@ -62,6 +62,7 @@ done
 bins=(
   "$build/tools/hcomm-probe"
   "$build/tests/integration_npu_dma"
+  "$build/tests/integration_api_conformance"
 )
 for b in "${bins[@]}"; do
   [ -x "$b" ] || { echo "build-guest: $b not built" >&2; exit 2; }

@@ -69,7 +69,7 @@ echo "---- guest ran ${secs}s, qemu exit $qrc ----"
 fail=0
 [ $qrc -eq 124 ] || [ $qrc -eq 137 ] && { echo "FAIL: guest did not finish within ${limit}s"; fail=1; }
 grep -q '^HCOMM-DONE' "$run/console.txt" || { echo "FAIL: guest did not report HCOMM-DONE"; fail=1; }
-for name in modules bind probe-list probe-info probe-selftest probe-selftest-1 npu-conformance; do
+for name in modules bind probe-list probe-info probe-selftest probe-selftest-1 npu-conformance api-conformance; do
   line=$(grep "^HCOMM-RESULT $name " "$run/console.txt" | tail -1 || true)
   if [ -z "$line" ]; then
     echo "FAIL: $name: no result"

@@ -612,6 +612,23 @@ TEST_F(VfioLinkTest, IovaModePaUsesPagemap) {
   EXPECT_EQ(kernel.maps[0].size, 3u * 4096);
   EXPECT_EQ(kernel.count("pread 13 "), 1u);  // one chunked pagemap read
   EXPECT_EQ(kernel.count("close 13"), 1u);
+  // The same memory mapped again (another view of a shared buffer) has the
+  // same bus address: it shares the mapping, and the last unmap removes it.
+  uint64_t bus2 = 0;
+  ASSERT_TRUE(link->dma_map(buf + 8, 3 * 4096 - 8, -1, 0, dma_prot::READ, &bus2).is_ok());
+  EXPECT_EQ(bus2, bus);
+  EXPECT_EQ(kernel.maps.size(), 1u);
+  // A sub-range shares it too, whichever is unmapped first.
+  uint64_t bus3 = 0;
+  ASSERT_TRUE(link->dma_map(buf + 4096, 100, -1, 0, dma_prot::READ, &bus3).is_ok());
+  EXPECT_EQ(bus3, pfn * 4096 + 4096);
+  EXPECT_EQ(kernel.maps.size(), 1u);
+  ASSERT_TRUE(link->dma_unmap(bus, 3 * 4096 - 8).is_ok());
+  ASSERT_TRUE(link->dma_unmap(bus, 3 * 4096 - 8).is_ok());
+  EXPECT_TRUE(kernel.unmaps.empty()) << "the sub-range still needs the IOMMU mapping";
+  EXPECT_EQ(link->dma_unmap(bus, 3 * 4096 - 8).code(), Code::not_found);
+  ASSERT_TRUE(link->dma_unmap(bus3, 100).is_ok());
+  EXPECT_EQ(kernel.unmaps.size(), 1u);
 
   kernel.pagemap[vpn + 2] = present | (pfn + 7);
   Status st = link->dma_map(buf, 3 * 4096, -1, 0, dma_prot::READ, &bus);
