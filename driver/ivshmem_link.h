@@ -1,6 +1,6 @@
 // IvshmemLink: driver::Link to an hcomm NPU that reaches this (guest) kernel
 // as QEMU's ivshmem-doorbell PCI function, served by hcomm-sim's ivshmem
-// front (hal/abi/ivshmem.h, docs/device-abi.md §12).
+// front (hal/abi/ivshmem.h, docs/device-abi.md §11.3).
 //
 // It sits on top of the ivshmem function's own link (a VfioLink in
 // iova-mode=pa: vfio-pci owns the function, the IOMMU container, the MSI-X

@@ -2,7 +2,7 @@
 // ivshmem-doorbell device: hcomm-sim is the ivshmem server (it speaks the
 // server protocol of QEMU docs/specs/ivshmem-spec itself; Debian ships no
 // ivshmem-server) and the only other peer. Layout and mailbox protocol:
-// hal/abi/ivshmem.h; prose: docs/device-abi.md §12.
+// hal/abi/ivshmem.h; prose: docs/device-abi.md §11.3.
 //
 //   QEMU:  -chardev socket,path=<socket>,id=c0
 //          -device ivshmem-doorbell,chardev=c0,vectors=<vectors_for(queues)>

@@ -1,6 +1,6 @@
 // The hcomm NPU over QEMU's ivshmem-doorbell device: the transport that puts
 // hcomm-sim inside a QEMU guest as a PCI function the guest binds to vfio-pci
-// (docs/device-abi.md §12). QEMU 7.2 has no vfio-user client; ivshmem is
+// (docs/device-abi.md §11.3). QEMU 7.2 has no vfio-user client; ivshmem is
 // the device it has for a model living outside QEMU.
 //
 // What the guest sees on the ivshmem function (vendor 0x1af4, device 0x1110):

@@ -61,6 +61,6 @@ HCOMM_TEST_DEVICES="$1,$2" run npu-conformance 400 integration_npu_dma --gtest_c
 # The API conformance suite, NPU engine, two ranks on the two functions.
 # Left out: the two cases with host buffers over 2 MiB. In iova-mode=pa a
 # mapped buffer must be physically contiguous and hugetlb only guarantees
-# that within one 2 MiB page (docs/device-abi.md §12).
+# that within one 2 MiB page (docs/device-abi.md §11.3).
 HCOMM_TEST_DEVICES="$1,$2" run api-conformance 600 integration_api_conformance --gtest_color=no \
   --gtest_filter="${api_filter:-*npu_2ranks*-*SendRecvFromRegisteredMemoryMovesThroughTheEngine*:*PutGetEverySize*}"
