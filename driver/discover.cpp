@@ -74,8 +74,9 @@ Status open_link(const DeviceRef& ref, std::unique_ptr<Link>* out, int timeout_m
   o.iova_mode_pa = true;
   std::unique_ptr<Link> pci;
   HCOMM_TRY(open_vfio(ref.path, o, &pci));
-  DmaBuffer::set_physically_contiguous(true);
-  return IvshmemLink::open(std::move(pci), IvshmemOptions{}, out);
+  HCOMM_TRY(IvshmemLink::open(std::move(pci), IvshmemOptions{}, out));
+  DmaBuffer::set_physically_contiguous(true);  // process-wide from here on, like DPDK's EAL
+  return Status::ok();
 }
 
 }  // namespace hcomm::driver

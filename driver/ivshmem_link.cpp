@@ -31,7 +31,7 @@ Status IvshmemLink::open(std::unique_ptr<Link> pci, const IvshmemOptions& opts, 
 IvshmemLink::~IvshmemLink() {
   // Whatever the HAL left running stops before the memory behind it goes
   // (the ivshmem function's link unmaps DMA when it is destroyed next).
-  if (_mb != nullptr) (void)call(iv::MailboxOp::reset, 0, 0, 0, 0, 0, nullptr);
+  if (_mb != nullptr) (void)call(iv::MailboxOp::new_driver, 0, 0, 0, 0, 0, nullptr);
 }
 
 Status IvshmemLink::init() {
@@ -56,7 +56,8 @@ Status IvshmemLink::init() {
   if (_hdr.shared_size != size || _hdr.hbm_offset < iv::kMailboxOffset + sizeof(iv::Mailbox) ||
       _hdr.hbm_offset % kPage != 0 || _hdr.hbm_size > size || _hdr.hbm_offset > size - _hdr.hbm_size ||
       _hdr.num_queues == 0 || _hdr.num_queues > abi::reg::MAX_QUEUES ||
-      _hdr.vectors < _hdr.doorbell_vector_base + _hdr.num_queues || _hdr.mailbox_vector >= _hdr.vectors ||
+      uint64_t{_hdr.vectors} < uint64_t{_hdr.doorbell_vector_base} + _hdr.num_queues ||
+      _hdr.mailbox_vector >= _hdr.vectors ||
       _hdr.sim_peer > 0xffff)
     return Status::error(Code::device_error,
                          "ivshmem %s: inconsistent header (shared %llu of BAR %llu, HBM %llu at %#llx, %u queues, "
@@ -73,10 +74,7 @@ Status IvshmemLink::init() {
   Deadline dl = Deadline::after_ms(_opts.mailbox_timeout_ms);
   for (;;) {
     uint32_t seq = __atomic_load_n(&_mb->seq, __ATOMIC_ACQUIRE);
-    if (__atomic_load_n(&_mb->ack, __ATOMIC_ACQUIRE) == seq) {
-      _seq = seq;
-      break;
-    }
+    if (__atomic_load_n(&_mb->ack, __ATOMIC_ACQUIRE) == seq) break;
     if (dl.expired()) {
       Status k = Status::error(Code::timeout, "ivshmem %s: mailbox busy for %d ms (is hcomm-sim serving it?)",
                                loc.c_str(), _opts.mailbox_timeout_ms);
@@ -86,7 +84,7 @@ Status IvshmemLink::init() {
     HCOMM_TRY(kick());
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  st = call(iv::MailboxOp::reset, 0, 0, 0, 0, 0, nullptr);
+  st = call(iv::MailboxOp::new_driver, 0, 0, 0, 0, 0, nullptr);
   if (!st) {
     _mb = nullptr;
     return st;
@@ -103,20 +101,28 @@ Status IvshmemLink::call(iv::MailboxOp op, uint32_t width, uint64_t offset, uint
                          uint32_t prot, uint64_t* result) {
   if (_mb == nullptr) return Status::error(Code::closed, "ivshmem %s: mailbox not open", location().c_str());
   std::lock_guard lk(_mu);
+  Deadline dl = Deadline::after_ms(_opts.mailbox_timeout_ms);
+  // A request that timed out may still be being read by the model: never
+  // rewrite the fields before it is answered.
+  while (__atomic_load_n(&_mb->ack, __ATOMIC_ACQUIRE) != __atomic_load_n(&_mb->seq, __ATOMIC_ACQUIRE)) {
+    if (dl.expired())
+      return Status::error(Code::timeout, "ivshmem %s: mailbox still busy with an earlier request (hcomm-sim gone?)",
+                           location().c_str());
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
   __atomic_store_n(&_mb->op, static_cast<uint32_t>(op), __ATOMIC_RELAXED);
   __atomic_store_n(&_mb->width, width, __ATOMIC_RELAXED);
   __atomic_store_n(&_mb->offset, offset, __ATOMIC_RELAXED);
   __atomic_store_n(&_mb->value, value, __ATOMIC_RELAXED);
   __atomic_store_n(&_mb->len, len, __ATOMIC_RELAXED);
   __atomic_store_n(&_mb->prot, prot, __ATOMIC_RELAXED);
-  const uint32_t s = _seq + 1;
+  const uint32_t s = __atomic_load_n(&_mb->seq, __ATOMIC_RELAXED) + 1;
   __atomic_store_n(&_mb->seq, s, __ATOMIC_RELEASE);
-  _seq = s;
   ++_calls;
   HCOMM_TRY(kick());
   // Spin briefly (the model answers in microseconds on a real host), then
   // sleep between looks (an emulated guest must not starve the model's CPU).
-  Deadline dl = Deadline::after_ms(_opts.mailbox_timeout_ms);
+  dl = Deadline::after_ms(_opts.mailbox_timeout_ms);
   for (uint32_t spins = 0;; ++spins) {
     if (__atomic_load_n(&_mb->ack, __ATOMIC_ACQUIRE) == s) break;
     if (spins < 256) {
@@ -249,15 +255,24 @@ Status IvshmemLink::dma_map(void* vaddr, uint64_t len, int fd, uint64_t fd_offse
   uint64_t range = start;
   auto it = _ranges.upper_bound(start);
   if (it != _ranges.begin() && std::prev(it)->first + std::prev(it)->second.len >= start + mlen) {
-    ++std::prev(it)->second.refs;  // the model can already reach it
-    range = std::prev(it)->first;
+    auto& r = *std::prev(it);
+    if ((prot & ~r.second.prot) != 0) {
+      (void)_pci->dma_unmap(bus, len);
+      return Status::error(Code::access_denied,
+                           "ivshmem %s: [%#llx,+%#llx) is already mapped for the device with fewer rights (%#x, "
+                           "asked %#x); the same physical memory has one set of rights",
+                           location().c_str(), static_cast<unsigned long long>(start),
+                           static_cast<unsigned long long>(mlen), r.second.prot, prot);
+    }
+    ++r.second.refs;  // the model can already reach it
+    range = r.first;
   } else {
     Status st = call(iv::MailboxOp::dma_map, 0, start, 0, mlen, prot, nullptr);
     if (!st) {
       (void)_pci->dma_unmap(bus, len);
       return st;
     }
-    _ranges[start] = DmaRange{mlen, 1};
+    _ranges[start] = DmaRange{mlen, 1, prot};
   }
   _views.emplace(bus, std::make_pair(range, len));
   *bus_addr = bus;
@@ -271,15 +286,16 @@ Status IvshmemLink::dma_unmap(uint64_t bus_addr, uint64_t len) {
     return Status::error(Code::not_found, "ivshmem %s: no DMA mapping of %llu bytes at %#llx", location().c_str(),
                          static_cast<unsigned long long>(len), static_cast<unsigned long long>(bus_addr));
   auto r = _ranges.find(v->second.first);
-  _views.erase(v);
-  Status st;
-  if (r != _ranges.end() && --r->second.refs == 0) {
-    // The model stops using the range before the IOMMU mapping goes.
-    st = call(iv::MailboxOp::dma_unmap, 0, r->first, 0, r->second.len, 0, nullptr);
+  if (r != _ranges.end() && r->second.refs == 1) {
+    // The model stops using the range before the IOMMU mapping goes. If it
+    // cannot be told, nothing is torn down: it may still be using the pages.
+    HCOMM_TRY(call(iv::MailboxOp::dma_unmap, 0, r->first, 0, r->second.len, 0, nullptr));
     _ranges.erase(r);
+  } else if (r != _ranges.end()) {
+    --r->second.refs;
   }
-  Status st2 = _pci->dma_unmap(bus_addr, len);
-  return !st ? st : st2;
+  _views.erase(v);
+  return _pci->dma_unmap(bus_addr, len);
 }
 
 Status IvshmemLink::reset() { return call(iv::MailboxOp::reset, 0, 0, 0, 0, 0, nullptr); }

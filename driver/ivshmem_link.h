@@ -16,8 +16,10 @@
 //   config space      the ivshmem function's (through VFIO), with the command
 //                     register mirrored to the model (it gates bus mastering)
 //
-// Open resets the function through the mailbox: a driver instance never
-// inherits the mappings or queues of a previous one.
+// Open and close tell the model a new driver instance owns the function
+// (mailbox new_driver): a driver never inherits the mappings or queues of a
+// previous one. reset() is the function-level reset (Device::reset); the
+// DMA mappings survive it, as with VFIO_DEVICE_RESET.
 //
 // Threading: as every Link, cold-path calls are serialised by the caller; the
 // mailbox additionally takes a lock so concurrent register access is safe.
@@ -80,7 +82,6 @@ class IvshmemLink final : public Link {
   hal::abi::ivshmem::Mailbox* _mb = nullptr;
   Doorbell _kick;  // the sim's mailbox vector
   std::mutex _mu;  // one mailbox request at a time
-  uint32_t _seq = 0;
   uint64_t _calls = 0;
   // What the model was told: page-aligned ranges by start, each with the
   // number of dma_map calls it serves (in iova-mode=pa a second mapping of
@@ -89,6 +90,7 @@ class IvshmemLink final : public Link {
   struct DmaRange {
     uint64_t len = 0;
     uint32_t refs = 0;
+    uint32_t prot = 0;  // dma_prot bits the model was given
   };
   std::map<uint64_t, DmaRange> _ranges;
   std::multimap<uint64_t, std::pair<uint64_t, uint64_t>> _views;

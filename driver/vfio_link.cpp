@@ -16,6 +16,9 @@
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22  // Linux 5.14; older kernels answer EINVAL
 #endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
 
 namespace hcomm::driver {
 
@@ -591,15 +594,28 @@ Status VfioLink::dma_map(void* vaddr, uint64_t len, int /*fd*/, uint64_t /*fd_of
 
   Mapping m;
   m.len = mlen;
+  m.prot = prot;
   if (_opts.iova_mode_pa) {
     // pagemap shows only pages present in this process's page tables: a
     // buffer mapped from another process's memfd may not be faulted in yet.
-    if (::madvise(reinterpret_cast<void*>(start), mlen, MADV_POPULATE_READ) != 0) {
-      for (uint64_t off = 0; off < mlen; off += kPage) (void)*reinterpret_cast<volatile const uint8_t*>(start + off);
+    // Writable memory is faulted for write: a read fault on untouched
+    // private memory maps the shared zero page, whose address is no use.
+    const bool w = (prot & dma_prot::WRITE) != 0;
+    if (::madvise(reinterpret_cast<void*>(start), mlen, w ? MADV_POPULATE_WRITE : MADV_POPULATE_READ) != 0) {
+      for (uint64_t off = 0; off < mlen; off += kPage) {
+        auto* b = reinterpret_cast<volatile uint8_t*>(start + off);
+        if (w) *b = *b;
+        else (void)*b;
+      }
     }
     HCOMM_TRY(physical_address(reinterpret_cast<void*>(start), mlen, &m.iova));
     for (auto& [key, o] : _mappings) {
       if (o.iova <= m.iova && m.iova + mlen <= o.iova + o.len) {  // already reachable: a view
+        if ((prot & ~o.prot) != 0)
+          return Status::error(Code::access_denied,
+                               "vfio %s: iova-mode=pa: memory at 0x%llx is already mapped with fewer rights "
+                               "(0x%x, asked 0x%x); the same physical memory has one set of rights",
+                               _addr.c_str(), static_cast<unsigned long long>(m.iova), o.prot, prot);
         ++o.refs;
         _views.emplace(m.iova + in_page, View{key, len});
         *bus_addr = m.iova + in_page;

@@ -116,6 +116,7 @@ class VfioLink final : public Link {
     // not unmapped (released = false) plus its views.
     uint32_t refs = 1;
     bool released = false;
+    uint32_t prot = 0;  // dma_prot bits it was mapped with
   };
   struct View {
     uint64_t owner = 0;  // key in _mappings

@@ -4,6 +4,7 @@
 // the operation before any byte moves.
 #include "sim/device.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -96,11 +97,15 @@ Status Device::init() {
   if (_cfg.hbm_file_offset % 4096 != 0 || _cfg.hbm_file_offset > (uint64_t{1} << 40))
     return Status::error(Code::invalid_argument, "HBM file offset must be 4 KiB aligned");
   _file_size = std::max(_cfg.hbm_file_size, _cfg.hbm_file_offset + _cfg.hbm_size);
-  int fd = ::memfd_create("hcomm-sim-hbm", MFD_CLOEXEC);
+  int fd = ::memfd_create("hcomm-sim-hbm", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return Status::from_errno(errno, "memfd_create(hbm)");
   _hbm_fd.reset(fd);
   if (::ftruncate(fd, static_cast<off_t>(_file_size)) != 0)
     return Status::from_errno(errno, "ftruncate(hbm)");
+  // Clients get this fd (vfio-user BAR2, the ivshmem shared memory): none may
+  // resize it under the engines (a shrink would SIGBUS the model).
+  if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)
+    return Status::from_errno(errno, "seal(hbm)");
   void* p = ::mmap(nullptr, _file_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) return Status::from_errno(errno, "mmap(hbm)");
   _file = static_cast<uint8_t*>(p);

@@ -266,6 +266,9 @@ Status IvshmemFront::execute(uint32_t op, uint32_t width, uint64_t offset, uint6
     case iv::MailboxOp::dma_unmap:
       return _dev.dma_unmap(offset, len);
     case iv::MailboxOp::reset:
+      _dev.reset();
+      return Status::ok();
+    case iv::MailboxOp::new_driver:
       transport_reset();
       return Status::ok();
   }

@@ -76,7 +76,7 @@ inline constexpr uint64_t shared_size_for(uint64_t hbm_size) {
 inline constexpr uint64_t kMagic = 0x3156494d4d4f4348ull;  // "HCOMMIV1"
 inline constexpr uint32_t kLayoutVersion = 1;
 
-struct Header {  // written once by the sim before the guest can see it; RO
+struct Header {  // written once by the sim before the guest can see it; never read back
   uint64_t magic;
   uint32_t version;
   uint32_t sim_peer;
@@ -96,7 +96,9 @@ enum class MailboxOp : uint32_t {
   config_write = 3,  // PCI config: offset, width (1/2/4), value (command register)
   dma_map = 4,       // offset = bus (guest-physical) address, len, prot (dma_prot bits)
   dma_unmap = 5,     // offset, len
-  reset = 6,         // function-level reset of the NPU
+  reset = 6,         // function-level reset of the NPU (Device::reset, as vfio-user DEVICE_RESET)
+  new_driver = 7,    // a driver instance takes or leaves the function: reset, every DMA map
+                     // dropped, PCI command cleared (as a vfio-user client connecting anew)
 };
 
 inline constexpr size_t kMailboxMessageLen = 192;

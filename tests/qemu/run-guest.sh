@@ -17,7 +17,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 build=$(cd "$1" && pwd)
 guest=${2:-$build/qemu-guest}
-limit=${HCOMM_QEMU_TIMEOUT:-420}
+limit=${HCOMM_QEMU_TIMEOUT:-540}
 command -v qemu-system-x86_64 >/dev/null || { echo "run-guest: qemu-system-x86_64 missing (scripts/deps.sh --qemu)" >&2; exit 2; }
 
 bash "$here/build-guest.sh" "$build" "$guest"
@@ -67,9 +67,16 @@ cat "$run/sim.log"
 echo "---- guest ran ${secs}s, qemu exit $qrc ----"
 
 fail=0
-[ $qrc -eq 124 ] || [ $qrc -eq 137 ] && { echo "FAIL: guest did not finish within ${limit}s"; fail=1; }
+if [ $qrc -eq 124 ] || [ $qrc -eq 137 ]; then
+  echo "FAIL: guest did not finish within ${limit}s"
+  fail=1
+elif [ $qrc -ne 0 ]; then
+  echo "FAIL: qemu exited with status $qrc"
+  fail=1
+fi
+kill -0 "$sim_pid" 2>/dev/null || { echo "FAIL: hcomm-sim died during the run"; fail=1; }
 grep -q '^HCOMM-DONE' "$run/console.txt" || { echo "FAIL: guest did not report HCOMM-DONE"; fail=1; }
-for name in modules bind probe-list probe-info probe-selftest probe-selftest-1 npu-conformance api-conformance; do
+for name in modules bind probe-list probe-info probe-selftest probe-selftest-1 bad-descriptors npu-conformance api-conformance; do
   line=$(grep "^HCOMM-RESULT $name " "$run/console.txt" | tail -1 || true)
   if [ -z "$line" ]; then
     echo "FAIL: $name: no result"

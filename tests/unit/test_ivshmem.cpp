@@ -222,11 +222,13 @@ class Ivshmem : public ::testing::Test {
     ASSERT_TRUE(st) << st.to_string();
   }
   // Connect as QEMU and open the link the way discovery does in a guest.
-  void open_link(FakeQemu* q) {
+  void open_link(FakeQemu* q, int mailbox_timeout_ms = 5000) {
     ASSERT_EQ(q->connect(sock_, front_->vectors()), "");
     auto pci = std::make_unique<FakePci>(*q, ram_, kRam, ram_fd_.get());
     pci_ = pci.get();
-    Status st = driver::IvshmemLink::open(std::move(pci), driver::IvshmemOptions{}, &link_);
+    driver::IvshmemOptions o;
+    o.mailbox_timeout_ms = mailbox_timeout_ms;
+    Status st = driver::IvshmemLink::open(std::move(pci), o, &link_);
     ASSERT_TRUE(st) << st.to_string();
   }
   // A raw mailbox request, as a buggy or hostile guest could write it.
@@ -288,6 +290,12 @@ TEST_F(Ivshmem, HalRunsOverTheLink) {
   FakeQemu q;
   ASSERT_NO_FATAL_FAILURE(open_link(&q));
   EXPECT_STREQ(link_->kind(), "vfio-ivshmem");
+  // Queue q's doorbell rings the sim (peer 0) on vector 1 + q.
+  driver::Doorbell db;
+  ASSERT_TRUE(link_->doorbell(abi::reg::doorbell(1), &db));
+  EXPECT_TRUE(db.fixed);
+  EXPECT_EQ(db.fixed_value, iv::doorbell_value(iv::kSimPeer, iv::kDoorbellVectorBase + 1));
+  EXPECT_EQ(link_->doorbell(abi::reg::doorbell(kQueues), &db).code(), Code::invalid_argument);
   std::unique_ptr<npu::Device> dev;
   Status st = npu::Device::open(std::move(link_), &dev);
   ASSERT_TRUE(st) << st.to_string();
@@ -338,6 +346,28 @@ TEST_F(Ivshmem, DmaOutsideGuestRamIsRefusedByTheModel) {
   EXPECT_EQ(raw_call(q, static_cast<uint32_t>(iv::MailboxOp::dma_unmap), 0, 0, 4096, &msg), 0) << msg;
 }
 
+TEST_F(Ivshmem, SharedMappingsKeepOneSetOfRightsAndSurviveReset) {
+  FakeQemu& q = q_;
+  ASSERT_NO_FATAL_FAILURE(open_link(&q));
+  uint64_t b1 = 0, b2 = 0, b3 = 0;
+  ASSERT_TRUE(link_->dma_map(ram_, 8192, -1, 0, driver::dma_prot::READ, &b1));
+  // The same pages again, with more rights: refused, not silently shared.
+  Status st = link_->dma_map(ram_ + 4096, 100, -1, 0, driver::dma_prot::READ | driver::dma_prot::WRITE, &b2);
+  EXPECT_EQ(st.code(), Code::access_denied) << st.to_string();
+  ASSERT_TRUE(link_->dma_map(ram_ + 4096, 100, -1, 0, driver::dma_prot::READ, &b3));
+  EXPECT_EQ(b3, b1 + 4096);
+  // A function-level reset keeps the DMA mappings (as VFIO_DEVICE_RESET).
+  ASSERT_TRUE(link_->reset());
+  std::string msg;
+  EXPECT_EQ(raw_call(q, static_cast<uint32_t>(iv::MailboxOp::dma_map), 0, 0, 4096, &msg),
+            static_cast<int32_t>(Code::invalid_argument))
+      << "the model still has the range";
+  ASSERT_TRUE(link_->dma_unmap(b1, 8192));
+  ASSERT_TRUE(link_->dma_unmap(b3, 100));
+  EXPECT_EQ(raw_call(q, static_cast<uint32_t>(iv::MailboxOp::dma_map), 0, 0, 4096, &msg), 0)
+      << "the last unmap released it: " << msg;
+}
+
 TEST_F(Ivshmem, GarbageMailboxRequestsGetErrorsAndTheFrontGoesOn) {
   FakeQemu& q = q_;  // outlives link_ (its BAR mapping is the link's)
   ASSERT_NO_FATAL_FAILURE(open_link(&q));
@@ -381,24 +411,26 @@ TEST_F(Ivshmem, ForeignSharedMemoryIsNotAnNpu) {
 }
 
 TEST_F(Ivshmem, GuestGoneResetsTheDeviceAndTheNextOneIsServed) {
-  {
-    FakeQemu q;
-    ASSERT_NO_FATAL_FAILURE(open_link(&q));
-    ASSERT_TRUE(link_->write32(abi::reg::SCRATCH, 42));
-    uint64_t bus = 0;
-    ASSERT_TRUE(link_->dma_map(ram_, 4096, -1, 0, driver::dma_prot::READ | driver::dma_prot::WRITE, &bus));
-    link_.reset();  // (the link resets the function on close, too)
-  }  // QEMU exits: the socket closes
+  FakeQemu q;
+  ASSERT_NO_FATAL_FAILURE(open_link(&q, 300));
+  ASSERT_TRUE(link_->write32(abi::reg::SCRATCH, 42));
+  uint64_t bus = 0;
+  ASSERT_TRUE(link_->dma_map(ram_, 4096, -1, 0, driver::dma_prot::READ | driver::dma_prot::WRITE, &bus));
+  // QEMU exits with the driver still open: only the socket tells the model.
+  q.sock.reset();
   Deadline dl = Deadline::after_ms(3000);
   while (front_->clients_served() < 1 && !dl.expired()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   EXPECT_EQ(front_->clients_served(), 1u);
+  uint32_t v = 1;
+  ASSERT_TRUE(dev_->bar0_read(abi::reg::SCRATCH, &v, 4));
+  EXPECT_EQ(v, 0u) << "registers reset when the guest went";
+  link_.reset();  // its last mailbox request finds no model behind it: a bounded wait, then gone
   FakeQemu& q2 = q_;
   ASSERT_NO_FATAL_FAILURE(open_link(&q2));
-  uint32_t v = 1;
+  v = 1;
   ASSERT_TRUE(link_->read32(abi::reg::SCRATCH, &v));
   EXPECT_EQ(v, 0u) << "registers reset for the new guest";
   // The old DMA mapping is gone: mapping the same range again works.
-  uint64_t bus = 0;
   EXPECT_TRUE(link_->dma_map(ram_, 4096, -1, 0, driver::dma_prot::READ, &bus));
 }
 
