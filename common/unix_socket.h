@@ -203,4 +203,33 @@ inline Status listen_at(const std::string& path, UniqueFd* out) {
   return Status::ok();
 }
 
+// The accept loop of a one-client-at-a-time server: waits for the next
+// client on `listen_fd` (non-blocking, from listen_at) until `stop_fd`
+// becomes readable. Returns ok with *out set, aborted on stop, or error
+// (*err) when poll itself fails. Transient accept failures are retried; out
+// of fds or memory backs off 100 ms instead of spinning on a readable
+// listener.
+inline Io accept_next(int listen_fd, int stop_fd, UniqueFd* out, int* err) {
+  for (;;) {
+    pollfd p[2] = {{listen_fd, POLLIN, 0}, {stop_fd, POLLIN, 0}};
+    if (::poll(p, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      *err = errno;
+      return Io::error;
+    }
+    if (p[1].revents & POLLIN) return Io::aborted;
+    if (!(p[0].revents & POLLIN)) continue;
+    UniqueFd client(::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (client.valid()) {
+      *out = std::move(client);
+      return Io::ok;
+    }
+    if (errno == EMFILE || errno == ENFILE || errno == ENOMEM || errno == ENOBUFS) {
+      pollfd s{stop_fd, POLLIN, 0};
+      if (::poll(&s, 1, 100) > 0) return Io::aborted;
+    }
+    // EAGAIN, ECONNABORTED, EINTR: the next poll decides
+  }
+}
+
 }  // namespace hcomm::unix_socket

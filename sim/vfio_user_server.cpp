@@ -114,23 +114,13 @@ void VfioUserServer::stop() {
 
 void VfioUserServer::run() {
   for (;;) {
-    pollfd p[2] = {{_listen.get(), POLLIN, 0}, {_stop_efd.get(), POLLIN, 0}};
-    int n = ::poll(p, 2, -1);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      std::fprintf(stderr, "hcomm-sim: vfio-user %s: poll: %s\n", _path.c_str(), std::strerror(errno));
+    UniqueFd client;
+    int err = 0;
+    Io io = unix_socket::accept_next(_listen.get(), _stop_efd.get(), &client, &err);
+    if (io == Io::aborted) return;
+    if (io != Io::ok) {
+      std::fprintf(stderr, "hcomm-sim: vfio-user %s: poll: %s\n", _path.c_str(), std::strerror(err));
       return;
-    }
-    if (p[1].revents & POLLIN) return;
-    if (!(p[0].revents & POLLIN)) continue;
-    UniqueFd client(::accept4(_listen.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-    if (!client.valid()) {
-      if (errno == EMFILE || errno == ENFILE || errno == ENOMEM || errno == ENOBUFS) {
-        // Out of resources: back off instead of spinning on a readable listener.
-        pollfd s{_stop_efd.get(), POLLIN, 0};
-        if (::poll(&s, 1, 100) > 0) return;
-      }
-      continue;  // EAGAIN, ECONNABORTED, EINTR: the next poll decides
     }
     if (serve(std::move(client))) return;
   }
