@@ -81,7 +81,7 @@ Status IvshmemLink::init() {
       _mb = nullptr;
       return k;
     }
-    HCOMM_TRY(kick());
+    _kick.ring(0);
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   st = call(iv::MailboxOp::new_driver, 0, 0, 0, 0, 0, nullptr);
@@ -89,11 +89,6 @@ Status IvshmemLink::init() {
     _mb = nullptr;
     return st;
   }
-  return Status::ok();
-}
-
-Status IvshmemLink::kick() {
-  _kick.ring(0);
   return Status::ok();
 }
 
@@ -118,8 +113,7 @@ Status IvshmemLink::call(iv::MailboxOp op, uint32_t width, uint64_t offset, uint
   __atomic_store_n(&_mb->prot, prot, __ATOMIC_RELAXED);
   const uint32_t s = __atomic_load_n(&_mb->seq, __ATOMIC_RELAXED) + 1;
   __atomic_store_n(&_mb->seq, s, __ATOMIC_RELEASE);
-  ++_calls;
-  HCOMM_TRY(kick());
+  _kick.ring(0);
   // Spin briefly (the model answers in microseconds on a real host), then
   // sleep between looks (an emulated guest must not starve the model's CPU).
   dl = Deadline::after_ms(_opts.mailbox_timeout_ms);

@@ -65,14 +65,12 @@ class IvshmemLink final : public Link {
   Status reset() override;
 
   const hal::abi::ivshmem::Header& header() const { return _hdr; }
-  uint64_t mailbox_calls() const { return _calls; }
 
  private:
   IvshmemLink(std::unique_ptr<Link> pci, const IvshmemOptions& opts) : _pci(std::move(pci)), _opts(opts) {}
   Status init();
   Status call(hal::abi::ivshmem::MailboxOp op, uint32_t width, uint64_t offset, uint64_t value, uint64_t len,
               uint32_t prot, uint64_t* result);
-  Status kick();
 
   std::unique_ptr<Link> _pci;
   IvshmemOptions _opts;
@@ -82,7 +80,6 @@ class IvshmemLink final : public Link {
   hal::abi::ivshmem::Mailbox* _mb = nullptr;
   Doorbell _kick;  // the sim's mailbox vector
   std::mutex _mu;  // one mailbox request at a time
-  uint64_t _calls = 0;
   // What the model was told: page-aligned ranges by start, each with the
   // number of dma_map calls it serves (in iova-mode=pa a second mapping of
   // the same memory, or of part of it, has the same bus addresses and

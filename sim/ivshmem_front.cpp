@@ -31,7 +31,7 @@ void ivshmem_device_config(DeviceConfig* cfg) {
 }
 
 IvshmemFront::IvshmemFront(Device& dev, std::string socket_path, IvshmemFrontOptions opts)
-    : _dev(dev), _path(std::move(socket_path)), _opts(std::move(opts)) {}
+    : SocketFront("ivshmem", std::move(socket_path)), _dev(dev), _opts(std::move(opts)) {}
 
 IvshmemFront::~IvshmemFront() { stop(); }
 
@@ -41,7 +41,7 @@ std::string IvshmemFront::describe() const {
 }
 
 Status IvshmemFront::start() {
-  if (_thread.joinable()) return Status::error(Code::invalid_argument, "%s: already started", _path.c_str());
+  if (serving()) return Status::error(Code::invalid_argument, "%s: already started", _path.c_str());
   const uint64_t size = _dev.file_size();
   if (_dev.hbm_fd_offset() != iv::kHbmOffset || size != iv::shared_size_for(_dev.hbm_size()))
     return Status::error(Code::invalid_argument,
@@ -63,54 +63,22 @@ Status IvshmemFront::start() {
   _mb = reinterpret_cast<iv::Mailbox*>(_dev.file_base() + iv::kMailboxOffset);
   std::memset(static_cast<void*>(_mb), 0, sizeof *_mb);
 
-  UniqueFd lfd;
-  HCOMM_TRY(unix_socket::listen_at(_path, &lfd));
-  UniqueFd stop_efd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   UniqueFd mb_efd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!stop_efd.valid() || !mb_efd.valid()) {
-    int e = errno;
-    ::unlink(_path.c_str());
-    return Status::from_errno(e, "eventfd");
-  }
-  _listen = std::move(lfd);
-  _stop_efd = std::move(stop_efd);
+  if (!mb_efd.valid()) return Status::from_errno(errno, "eventfd");
   _mailbox_efd = std::move(mb_efd);
-  _thread = std::thread([this] { run(); });
-  return Status::ok();
+  Status st = start_serving();
+  if (!st) _mailbox_efd.reset();
+  return st;
 }
 
 void IvshmemFront::stop() {
-  if (_thread.joinable()) {
-    uint64_t one = 1;
-    ssize_t n = ::write(_stop_efd.get(), &one, sizeof one);
-    (void)n;
-    _thread.join();
-  }
-  if (_listen.valid()) {
-    _listen.reset();
-    ::unlink(_path.c_str());
-  }
-  _stop_efd.reset();
+  stop_serving();
   _mailbox_efd.reset();
-}
-
-void IvshmemFront::run() {
-  for (;;) {
-    UniqueFd client;
-    int err = 0;
-    Io io = unix_socket::accept_next(_listen.get(), _stop_efd.get(), &client, &err);
-    if (io == Io::aborted) return;
-    if (io != Io::ok) {
-      std::fprintf(stderr, "hcomm-sim: ivshmem %s: poll: %s\n", _path.c_str(), std::strerror(err));
-      return;
-    }
-    if (serve(std::move(client))) return;
-  }
 }
 
 bool IvshmemFront::serve(UniqueFd client) {
   const int fd = client.get();
-  const int abort_fd = _stop_efd.get();
+  const int abort_fd = stop_fd();
   const uint32_t nvec = vectors();
   Deadline dl = Deadline::after_ms(_opts.io_timeout_ms);
   int err = 0;
@@ -206,7 +174,6 @@ void IvshmemFront::handle_mailbox() {
   __atomic_store_n(&_mb->status, static_cast<int32_t>(st.code()), __ATOMIC_RELAXED);
   __atomic_store_n(&_mb->ack, seq, __ATOMIC_RELEASE);
   _last_seq = seq;
-  _requests.fetch_add(1, std::memory_order_acq_rel);
 }
 
 Status IvshmemFront::open_guest_ram() {

@@ -47,7 +47,7 @@ struct IvshmemFrontOptions {
   int io_timeout_ms = 3000;
 };
 
-class IvshmemFront : public Front {
+class IvshmemFront : public SocketFront {
  public:
   // The device must have been created with hbm_file_offset = kHbmOffset and
   // hbm_file_size = shared_size_for(hbm) (ivshmem_device_config() does it).
@@ -62,11 +62,9 @@ class IvshmemFront : public Front {
 
   uint32_t vectors() const { return hal::abi::ivshmem::vectors_for(_dev.config().num_queues); }
   uint64_t clients_served() const { return _clients_served.load(std::memory_order_acquire); }
-  uint64_t requests() const { return _requests.load(std::memory_order_acquire); }
 
  private:
-  void run();
-  bool serve(UniqueFd client);  // true if stop() was requested
+  bool serve(UniqueFd client) override;
   void handle_mailbox();
   Status execute(uint32_t op, uint32_t width, uint64_t offset, uint64_t len, uint32_t prot, uint64_t* value);
   Status open_guest_ram();
@@ -74,16 +72,11 @@ class IvshmemFront : public Front {
   void transport_reset();
 
   Device& _dev;
-  std::string _path;
   IvshmemFrontOptions _opts;
   hal::abi::ivshmem::Mailbox* _mb = nullptr;
 
-  UniqueFd _listen;
-  UniqueFd _stop_efd;
   UniqueFd _mailbox_efd;
-  std::thread _thread;
   std::atomic<uint64_t> _clients_served{0};
-  std::atomic<uint64_t> _requests{0};
 
   // Per-connection (front thread only).
   std::vector<UniqueFd> _guest_irq;  // the guest's interrupt eventfds, per vector

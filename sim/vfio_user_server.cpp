@@ -75,62 +75,21 @@ void log_drop(const std::string& path, const char* why) {
 }  // namespace
 
 VfioUserServer::VfioUserServer(Device& dev, std::string socket_path, VfioUserServerOptions opts)
-    : _dev(dev), _path(std::move(socket_path)), _opts(opts) {}
+    : SocketFront("vfio-user", std::move(socket_path)), _dev(dev), _opts(opts) {}
 
 VfioUserServer::~VfioUserServer() { stop(); }
 
 std::string VfioUserServer::describe() const { return "vfio-user " + _path; }
 
-Status VfioUserServer::start() {
-  if (_thread.joinable()) return Status::error(Code::invalid_argument, "%s: already started", _path.c_str());
-  UniqueFd lfd;
-  HCOMM_TRY(unix_socket::listen_at(_path, &lfd));
-  UniqueFd efd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!efd.valid()) {
-    int e = errno;
-    ::unlink(_path.c_str());
-    return Status::from_errno(e, "eventfd");
-  }
-  _listen = std::move(lfd);
-  _stop_efd = std::move(efd);
-  _thread = std::thread([this] { run(); });
-  return Status::ok();
-}
+Status VfioUserServer::start() { return start_serving(); }
 
-void VfioUserServer::stop() {
-  if (_thread.joinable()) {
-    uint64_t one = 1;
-    // Level-triggered: the thread sees it in whichever poll it is in.
-    ssize_t n = ::write(_stop_efd.get(), &one, sizeof one);
-    (void)n;  // cannot fail on a fresh counter
-    _thread.join();
-  }
-  if (_listen.valid()) {
-    _listen.reset();
-    ::unlink(_path.c_str());
-  }
-  _stop_efd.reset();
-}
-
-void VfioUserServer::run() {
-  for (;;) {
-    UniqueFd client;
-    int err = 0;
-    Io io = unix_socket::accept_next(_listen.get(), _stop_efd.get(), &client, &err);
-    if (io == Io::aborted) return;
-    if (io != Io::ok) {
-      std::fprintf(stderr, "hcomm-sim: vfio-user %s: poll: %s\n", _path.c_str(), std::strerror(err));
-      return;
-    }
-    if (serve(std::move(client))) return;
-  }
-}
+void VfioUserServer::stop() { stop_serving(); }
 
 bool VfioUserServer::serve(UniqueFd client) {
   _negotiated = false;
   _peer = vu::Caps{};
   const int fd = client.get();
-  const int abort_fd = _stop_efd.get();
+  const int abort_fd = stop_fd();
   bool stopped = false;
   bool dropped = false;
 

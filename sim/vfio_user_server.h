@@ -46,7 +46,7 @@ struct VfioUserServerOptions {
   int io_timeout_ms = 3000;
 };
 
-class VfioUserServer : public Front {
+class VfioUserServer : public SocketFront {
  public:
   // `dev` must outlive the server. The socket file is created by start()
   // (a stale socket file at the path is replaced) and removed by stop().
@@ -69,9 +69,7 @@ class VfioUserServer : public Front {
   struct Message;  // one received command: header, payload, fds
   struct Reply;    // what goes back: header fields, payload, fds
 
-  void run();
-  // Serves one connection until it ends; returns true if stop() was requested.
-  bool serve(UniqueFd client);
+  bool serve(UniqueFd client) override;
 
   void dispatch(Message& m, Reply* r);
   void do_version(Message& m, Reply* r);
@@ -88,12 +86,8 @@ class VfioUserServer : public Front {
   uint64_t region_size(uint32_t index) const;
 
   Device& _dev;
-  std::string _path;
   VfioUserServerOptions _opts;
 
-  UniqueFd _listen;
-  UniqueFd _stop_efd;  // written by stop(); the server thread polls it
-  std::thread _thread;
   std::atomic<uint64_t> _clients_served{0};
   std::atomic<uint64_t> _clients_dropped{0};
 
