@@ -13,7 +13,7 @@
 #include <thread>
 
 #include "api/internal.h"
-#include "api/mesh.h"
+#include "api/wireup/mesh.h"
 #include "common/barrier.h"
 #include "common/paths.h"
 #include "driver/discover.h"

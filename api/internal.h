@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "api/bootstrap.h"
+#include "api/wireup/bootstrap.h"
 #include "api/include/hcomm/hcomm.h"
 #include "common/fd.h"
 #include "common/status.h"

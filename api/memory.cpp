@@ -11,7 +11,7 @@
 #include <cstring>
 
 #include "api/internal.h"
-#include "api/mesh.h"
+#include "api/wireup/mesh.h"
 
 namespace hcomm::api {
 

@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "api/bootstrap.h"
-#include "api/mesh.h"
+#include "api/wireup/bootstrap.h"
+#include "api/wireup/mesh.h"
 
 namespace hcomm::api {
 namespace {

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "api/bootstrap.h"
-#include "api/mesh.h"
+#include "api/wireup/bootstrap.h"
+#include "api/wireup/mesh.h"
 
 using namespace hcomm;
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "api/bootstrap.h"
+#include "api/wireup/bootstrap.h"
 
 namespace hcomm::api {
 namespace {

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "api/mesh.h"
+#include "api/wireup/mesh.h"
 
 namespace hcomm::api {
 namespace {

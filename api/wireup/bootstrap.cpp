@@ -1,4 +1,4 @@
-#include "api/bootstrap.h"
+#include "api/wireup/bootstrap.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -17,7 +17,7 @@
 #include <sstream>
 #include <thread>
 
-#include "api/run_dir.h"
+#include "api/wireup/run_dir.h"
 
 namespace hcomm::api {
 

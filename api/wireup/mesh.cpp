@@ -1,4 +1,4 @@
-#include "api/mesh.h"
+#include "api/wireup/mesh.h"
 
 #include <poll.h>
 #include <sys/socket.h>
@@ -11,7 +11,7 @@
 #include <string>
 #include <thread>
 
-#include "api/run_dir.h"
+#include "api/wireup/run_dir.h"
 
 namespace hcomm::api {
 

@@ -1,4 +1,4 @@
-#include "api/run_dir.h"
+#include "api/wireup/run_dir.h"
 
 #include <sys/stat.h>
 #include <unistd.h>

@@ -10,7 +10,7 @@
 #include <span>
 #include <vector>
 
-#include "api/bootstrap.h"
+#include "api/wireup/bootstrap.h"
 #include "common/fd.h"
 #include "common/status.h"
 #include "common/time.h"
