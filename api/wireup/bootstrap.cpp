@@ -44,7 +44,7 @@ Status parse_int(const char* name, const char* value, long lo, long hi, int* out
   return Status::ok();
 }
 
-constexpr long kMaxRanks = 65536;
+constexpr long kMaxRanks = Bootstrap::kMaxRanks;
 
 Status read_master(LaunchInfo* li) {
   const char* addr = env("MASTER_ADDR");
@@ -151,7 +151,7 @@ constexpr uint32_t kMagic = 0x48434253;  // "HCBS"
 constexpr uint16_t kVersion = 1;
 enum FrameType : uint16_t { kHello = 1, kWelcome, kContrib, kResult, kAbort };
 constexpr size_t kHeader = 16;
-constexpr size_t kMaxJobId = 1024;
+constexpr size_t kMaxJobId = Bootstrap::kMaxJobId;
 constexpr size_t kMaxAbortMsg = 4096;
 
 void put32(std::string* s, uint32_t v) {
@@ -436,31 +436,77 @@ Deadline root_deadline(const Deadline& dl) {
 // -------------------------------------------------------------- Bootstrap --
 
 Bootstrap::Bootstrap(int rank, int size, std::string job_id)
-    : _rank(rank), _size(size), _job_id(std::move(job_id)), _peers(static_cast<size_t>(size)) {}
+    : _rank(rank), _size(size), _job_id(std::move(job_id)) {}
 
 Bootstrap::~Bootstrap() = default;
 
-Status Bootstrap::fail(Status st) {
-  if (_failed.is_ok()) _failed = st;
-  _peers.clear();  // closing wakes every peer still waiting on us
-  _peers.resize(static_cast<size_t>(_size));
-  return st;
+Status Bootstrap::run(Collective kind, const std::string& mine, std::vector<std::string>* all, const Deadline& dl) {
+  if (!_failed.is_ok()) return _failed;
+  if (all == nullptr) return Status::error(Code::invalid_argument, "allgather: null output");
+  if (mine.size() > kMaxBlob)
+    return Status::error(Code::invalid_argument, "allgather: blob of %zu bytes exceeds %zu", mine.size(), kMaxBlob);
+  if (_size == 1) {
+    all->assign(1, mine);
+  } else {
+    Status st = exchange(_seq, kind, mine, all, dl);
+    if (!st) {
+      _failed = st;
+      broken(st);
+      return st;
+    }
+  }
+  ++_seq;
+  return Status::ok();
 }
 
-void Bootstrap::abort_all(const Status& why) {
-  std::string f = frame(kAbort, _seq, abort_payload(why));
+Status Bootstrap::allgather(const std::string& mine, std::vector<std::string>* all, const Deadline& dl) {
+  return run(Collective::allgather, mine, all, dl);
+}
+
+Status Bootstrap::barrier(const Deadline& dl) {
+  std::vector<std::string> ignored;
+  return run(Collective::barrier, std::string(), &ignored, dl);
+}
+
+// ------------------------------------------------------------ TCP rendezvous --
+
+namespace {
+
+class TcpBootstrap final : public Bootstrap {
+ public:
+  TcpBootstrap(int rank, int size, std::string job_id)
+      : Bootstrap(rank, size, std::move(job_id)), _peers(static_cast<size_t>(size)) {}
+
+  Status join_root(const LaunchInfo& li, const Deadline& dl, int timeout_ms);
+  Status join_leaf(const LaunchInfo& li, const Deadline& dl, int timeout_ms);
+
+ protected:
+  Status exchange(uint32_t seq, Collective kind, const std::string& mine, std::vector<std::string>* all,
+                  const Deadline& dl) override;
+  void broken(const Status&) noexcept override {
+    _peers.clear();  // closing wakes every peer still waiting on us
+    _peers.resize(static_cast<size_t>(size()));
+  }
+
+ private:
+  Status allgather_root(uint32_t seq, const std::string& mine, std::vector<std::string>* all, const Deadline& dl);
+  Status allgather_leaf(uint32_t seq, const std::string& mine, std::vector<std::string>* all, const Deadline& dl);
+  void abort_all(uint32_t seq, const Status& why);  // rank 0: best-effort ABORT to every live rank
+
+  // Rank 0: _peers[r] is rank r's connection (invalid for r == 0).
+  // Other ranks: _peers[0] is the connection to rank 0, the rest invalid.
+  std::vector<UniqueFd> _peers;
+};
+
+void TcpBootstrap::abort_all(uint32_t seq, const Status& why) {
+  std::string f = frame(kAbort, seq, abort_payload(why));
   Deadline dl = Deadline::after_ms(200);
-  for (int r = 1; r < _size; ++r)
+  for (int r = 1; r < size(); ++r)
     if (_peers[static_cast<size_t>(r)].valid())
       (void)write_all(_peers[static_cast<size_t>(r)].get(), f, dl, rank_name(r));
 }
 
-struct BootstrapBuilder {
-  static Status root(Bootstrap& b, const LaunchInfo& li, const Deadline& dl, int timeout_ms);
-  static Status leaf(Bootstrap& b, const LaunchInfo& li, const Deadline& dl, int timeout_ms);
-};
-
-Status BootstrapBuilder::root(Bootstrap& b, const LaunchInfo& li, const Deadline& dl, int timeout_ms) {
+Status TcpBootstrap::join_root(const LaunchInfo& li, const Deadline& dl, int timeout_ms) {
   const bool file_mode = li.master_addr.empty();
   std::string addr = file_mode ? "127.0.0.1" : li.master_addr;
   UniqueFd lfd;
@@ -471,7 +517,7 @@ Status BootstrapBuilder::root(Bootstrap& b, const LaunchInfo& li, const Deadline
   if (file_mode) {
     std::string dir;
     HCOMM_TRY(private_run_dir(&dir));
-    pfile = port_file(dir, b._job_id);
+    pfile = port_file(dir, job_id());
     HCOMM_TRY(publish_port(pfile, port));
   }
   // The port file only serves the join; nobody needs it afterwards.
@@ -485,14 +531,14 @@ Status BootstrapBuilder::root(Bootstrap& b, const LaunchInfo& li, const Deadline
   Deadline join = root_deadline(dl);
   int joined = 1;
   std::string dropped;  // why stray connections were refused, for the timeout message
-  while (joined < b._size) {
+  while (joined < size()) {
     // Poll the listener and every joined rank: one that leaves before the
     // job has formed must fail the join now, not at the first collective.
     std::vector<pollfd> pfds{{lfd.get(), POLLIN, 0}};
     std::vector<int> who{0};
-    for (int r = 1; r < b._size; ++r)
-      if (b._peers[static_cast<size_t>(r)].valid()) {
-        pfds.push_back({b._peers[static_cast<size_t>(r)].get(), POLLIN, 0});
+    for (int r = 1; r < size(); ++r)
+      if (_peers[static_cast<size_t>(r)].valid()) {
+        pfds.push_back({_peers[static_cast<size_t>(r)].get(), POLLIN, 0});
         who.push_back(r);
       }
     int n = ::poll(pfds.data(), pfds.size(), join.remaining_ms());
@@ -500,12 +546,12 @@ Status BootstrapBuilder::root(Bootstrap& b, const LaunchInfo& li, const Deadline
     if (n < 0) return Status::from_errno(errno, "bootstrap poll");
     if (n == 0) {
       std::vector<int> missing;
-      for (int r = 1; r < b._size; ++r)
-        if (!b._peers[static_cast<size_t>(r)].valid()) missing.push_back(r);
+      for (int r = 1; r < size(); ++r)
+        if (!_peers[static_cast<size_t>(r)].valid()) missing.push_back(r);
       Status st = Status::error(Code::timeout, "rank%s %s of %d did not join the rendezvous at %s within %d ms%s",
-                                missing.size() > 1 ? "s" : "", list_ranks(missing).c_str(), b._size,
+                                missing.size() > 1 ? "s" : "", list_ranks(missing).c_str(), size(),
                                 where.c_str(), timeout_ms, dropped.c_str());
-      b.abort_all(st);
+      abort_all(0, st);
       return st;
     }
     for (size_t i = 1; i < pfds.size(); ++i) {
@@ -514,10 +560,10 @@ Status BootstrapBuilder::root(Bootstrap& b, const LaunchInfo& li, const Deadline
       ssize_t got = ::recv(pfds[i].fd, &c, 1, MSG_PEEK);
       if (got < 0 && (errno == EAGAIN || errno == EINTR)) continue;
       Status st = got <= 0
-                      ? Status::error(Code::peer_failure, "rank %d left before all %d ranks joined", who[i], b._size)
+                      ? Status::error(Code::peer_failure, "rank %d left before all %d ranks joined", who[i], size())
                       : Status::error(Code::protocol_error, "rank %d sent data before the job formed", who[i]);
-      b._peers[static_cast<size_t>(who[i])].reset();
-      b.abort_all(st);
+      _peers[static_cast<size_t>(who[i])].reset();
+      abort_all(0, st);
       return st;
     }
     if (pfds[0].revents == 0) continue;
@@ -542,15 +588,15 @@ Status BootstrapBuilder::root(Bootstrap& b, const LaunchInfo& li, const Deadline
     uint32_t r = get32(f.payload.data()), sz = get32(f.payload.data() + 4);
     std::string job = f.payload.substr(8);
     Status reject;
-    if (sz != static_cast<uint32_t>(b._size))
-      reject = Status::error(Code::invalid_argument, "world size mismatch: rank 0 has %d, rank %u has %u", b._size,
+    if (sz != static_cast<uint32_t>(size()))
+      reject = Status::error(Code::invalid_argument, "world size mismatch: rank 0 has %d, rank %u has %u", size(),
                              r, sz);
-    else if (job != b._job_id)
+    else if (job != job_id())
       reject = Status::error(Code::invalid_argument, "job id mismatch: rank 0 is in \"%s\", rank %u in \"%s\"",
-                             b._job_id.c_str(), r, job.c_str());
+                             job_id().c_str(), r, job.c_str());
     else if (r == 0 || r >= sz)
       reject = Status::error(Code::invalid_argument, "rank %u is out of range for world size %u", r, sz);
-    else if (b._peers[r].valid())
+    else if (_peers[r].valid())
       reject = Status::error(Code::invalid_argument, "rank %u joined twice", r);
     if (!reject.is_ok()) {
       // Tell the stray process why, then carry on waiting for the real one.
@@ -558,28 +604,28 @@ Status BootstrapBuilder::root(Bootstrap& b, const LaunchInfo& li, const Deadline
       dropped += "; refused a connection: " + reject.message();
       continue;
     }
-    b._peers[r] = std::move(c);
+    _peers[r] = std::move(c);
     ++joined;
   }
   std::string welcome = frame(kWelcome, 0, "");
-  for (int r = 1; r < b._size; ++r) {
-    Status st = write_all(b._peers[static_cast<size_t>(r)].get(), welcome, dl, rank_name(r));
+  for (int r = 1; r < size(); ++r) {
+    Status st = write_all(_peers[static_cast<size_t>(r)].get(), welcome, dl, rank_name(r));
     if (!st) {
-      b._peers[static_cast<size_t>(r)].reset();
-      b.abort_all(st);
+      _peers[static_cast<size_t>(r)].reset();
+      abort_all(0, st);
       return st;
     }
   }
   return Status::ok();
 }
 
-Status BootstrapBuilder::leaf(Bootstrap& b, const LaunchInfo& li, const Deadline& dl, int timeout_ms) {
+Status TcpBootstrap::join_leaf(const LaunchInfo& li, const Deadline& dl, int timeout_ms) {
   const bool file_mode = li.master_addr.empty();
   std::string pfile;
   if (file_mode) {
     std::string dir;
     HCOMM_TRY(private_run_dir(&dir));
-    pfile = port_file(dir, b._job_id);
+    pfile = port_file(dir, job_id());
   }
   std::string who = "rank 0";
   UniqueFd fd;
@@ -600,7 +646,7 @@ Status BootstrapBuilder::leaf(Bootstrap& b, const LaunchInfo& li, const Deadline
                                 std::chrono::duration_cast<std::chrono::nanoseconds>(dl.at() - Clock::now())));
       last = try_connect(addr, port, attempt, &fd);
       if (last) {
-        last = write_all(fd.get(), frame(kHello, 0, hello_payload(b._rank, b._size, b._job_id)), dl, who);
+        last = write_all(fd.get(), frame(kHello, 0, hello_payload(rank(), size(), job_id())), dl, who);
         if (last) break;
         fd.reset();
       }
@@ -608,9 +654,9 @@ Status BootstrapBuilder::leaf(Bootstrap& b, const LaunchInfo& li, const Deadline
     }
     if (dl.expired()) {
       if (file_mode && port == 0)
-        return Status::error(Code::timeout, "rank %d: rank 0 did not publish its port in %s within %d ms", b._rank,
+        return Status::error(Code::timeout, "rank %d: rank 0 did not publish its port in %s within %d ms", rank(),
                              pfile.c_str(), timeout_ms);
-      return Status::error(Code::timeout, "rank %d: could not reach rank 0 at %s within %d ms (%s)", b._rank,
+      return Status::error(Code::timeout, "rank %d: could not reach rank 0 at %s within %d ms (%s)", rank(),
                            where.c_str(), timeout_ms, last.message().c_str());
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(std::min(50, std::max(1, dl.remaining_ms()))));
@@ -620,20 +666,124 @@ Status BootstrapBuilder::leaf(Bootstrap& b, const LaunchInfo& li, const Deadline
   if (!st) {
     if (st.code() == Code::timeout)
       return Status::error(Code::timeout, "rank %d: connected to rank 0 at %s, but the job did not form within %d ms",
-                           b._rank, where.c_str(), timeout_ms);
+                           rank(), where.c_str(), timeout_ms);
     return st;
   }
   if (f.type == kAbort) return abort_status(f, who);
   if (f.type != kWelcome)
     return Status::error(Code::protocol_error, "rank 0 answered HELLO with frame type %u", f.type);
-  b._peers[0] = std::move(fd);
+  _peers[0] = std::move(fd);
   return Status::ok();
 }
+
+Status TcpBootstrap::allgather_root(uint32_t seq, const std::string& mine, std::vector<std::string>* all, const Deadline& dl) {
+  all->assign(static_cast<size_t>(size()), std::string());
+  (*all)[0] = mine;
+  std::vector<bool> have(static_cast<size_t>(size()), false);
+  have[0] = true;
+  int missing = size() - 1;
+  Deadline rdl = root_deadline(dl);
+  while (missing > 0) {
+    std::vector<pollfd> pfds;
+    std::vector<int> who;
+    for (int r = 1; r < size(); ++r)
+      if (!have[static_cast<size_t>(r)]) {
+        pfds.push_back({_peers[static_cast<size_t>(r)].get(), POLLIN, 0});
+        who.push_back(r);
+      }
+    int n = ::poll(pfds.data(), pfds.size(), rdl.remaining_ms());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return Status::from_errno(errno, "bootstrap poll");
+    if (n == 0) {
+      Status st = Status::error(Code::timeout, "collective #%u: rank%s %s did not arrive before the deadline", seq,
+                                who.size() > 1 ? "s" : "", list_ranks(who).c_str());
+      abort_all(seq, st);
+      return st;
+    }
+    for (size_t i = 0; i < pfds.size(); ++i) {
+      if (pfds[i].revents == 0) continue;
+      int r = who[i];
+      Frame f;
+      Status st = read_frame(pfds[i].fd, dl, kMaxBlob, rank_name(r), &f);
+      if (st && f.type != kContrib)
+        st = Status::error(Code::protocol_error, "rank %d sent frame type %u in collective #%u", r, f.type, seq);
+      if (st && f.seq != seq)
+        st = Status::error(Code::protocol_error,
+                           "rank %d is in collective #%u, rank 0 in #%u (collectives called in a different order?)", r,
+                           f.seq, seq);
+      if (!st) {
+        _peers[static_cast<size_t>(r)].reset();
+        abort_all(seq, st);
+        return st;
+      }
+      (*all)[static_cast<size_t>(r)] = std::move(f.payload);
+      have[static_cast<size_t>(r)] = true;
+      --missing;
+    }
+  }
+  std::string payload;
+  put32(&payload, static_cast<uint32_t>(size()));
+  for (const auto& s : *all) {
+    put32(&payload, static_cast<uint32_t>(s.size()));
+    payload += s;
+  }
+  std::string f = frame(kResult, seq, payload);
+  for (int r = 1; r < size(); ++r) {
+    Status st = write_all(_peers[static_cast<size_t>(r)].get(), f, dl, rank_name(r));
+    if (!st) {
+      _peers[static_cast<size_t>(r)].reset();
+      abort_all(seq, st);
+      return st;
+    }
+  }
+  return Status::ok();
+}
+
+Status TcpBootstrap::allgather_leaf(uint32_t seq, const std::string& mine, std::vector<std::string>* all, const Deadline& dl) {
+  const std::string who = "rank 0";
+  HCOMM_TRY(write_all(_peers[0].get(), frame(kContrib, seq, mine), dl, who));
+  Frame f;
+  size_t cap = 4 + static_cast<size_t>(size()) * (4 + kMaxBlob);
+  Status st = read_frame(_peers[0].get(), dl, cap, who, &f);
+  if (!st) {
+    if (st.code() == Code::timeout)
+      return Status::error(Code::timeout, "rank %d: collective #%u: no answer from rank 0 before the deadline", rank(),
+                           seq);
+    return st;
+  }
+  if (f.type == kAbort) return abort_status(f, who);
+  if (f.type != kResult || f.seq != seq)
+    return Status::error(Code::protocol_error, "rank 0 sent frame type %u seq %u, expected a RESULT of #%u", f.type,
+                         f.seq, seq);
+  const std::string& p = f.payload;
+  if (p.size() < 4 || get32(p.data()) != static_cast<uint32_t>(size()))
+    return Status::error(Code::protocol_error, "RESULT from rank 0 does not hold %d blobs", size());
+  all->assign(static_cast<size_t>(size()), std::string());
+  size_t off = 4;
+  for (int r = 0; r < size(); ++r) {
+    if (p.size() - off < 4) return Status::error(Code::protocol_error, "RESULT from rank 0 is truncated");
+    size_t len = get32(p.data() + off);
+    off += 4;
+    if (len > kMaxBlob || p.size() - off < len)
+      return Status::error(Code::protocol_error, "RESULT from rank 0: blob %d has a bad length %zu", r, len);
+    (*all)[static_cast<size_t>(r)] = p.substr(off, len);
+    off += len;
+  }
+  if (off != p.size()) return Status::error(Code::protocol_error, "RESULT from rank 0 has trailing bytes");
+  return Status::ok();
+}
+
+Status TcpBootstrap::exchange(uint32_t seq, Collective, const std::string& mine, std::vector<std::string>* all,
+                              const Deadline& dl) {
+  return rank() == 0 ? allgather_root(seq, mine, all, dl) : allgather_leaf(seq, mine, all, dl);
+}
+
+}  // namespace
 
 Status Bootstrap::create(const LaunchInfo& li, int timeout_ms, std::unique_ptr<Bootstrap>* out) {
   if (out == nullptr) return Status::error(Code::invalid_argument, "Bootstrap::create: null output");
   if (li.size < 1 || li.size > kMaxRanks)
-    return Status::error(Code::invalid_argument, "world size %d is outside [1, %ld]", li.size, kMaxRanks);
+    return Status::error(Code::invalid_argument, "world size %d is outside [1, %d]", li.size, kMaxRanks);
   if (li.rank < 0 || li.rank >= li.size)
     return Status::error(Code::invalid_argument, "rank %d is outside [0, %d)", li.rank, li.size);
   if (timeout_ms <= 0) return Status::error(Code::invalid_argument, "timeout_ms must be positive, got %d", timeout_ms);
@@ -649,133 +799,14 @@ Status Bootstrap::create(const LaunchInfo& li, int timeout_ms, std::unique_ptr<B
     job = li.master_addr.empty() ? "single-" + std::to_string(::getpid())
                                  : "tcp-" + endpoint(li.master_addr, li.master_port);
   }
-  std::unique_ptr<Bootstrap> b(new Bootstrap(li.rank, li.size, std::move(job)));
+  auto b = std::make_unique<TcpBootstrap>(li.rank, li.size, std::move(job));
   if (li.size > 1) {
     Deadline dl = Deadline::after_ms(timeout_ms);
-    HCOMM_TRY(li.rank == 0 ? BootstrapBuilder::root(*b, li, dl, timeout_ms)
-                           : BootstrapBuilder::leaf(*b, li, dl, timeout_ms));
+    HCOMM_TRY(li.rank == 0 ? b->join_root(li, dl, timeout_ms) : b->join_leaf(li, dl, timeout_ms));
   }
   *out = std::move(b);
   return Status::ok();
 }
 
-Status Bootstrap::allgather_root(const std::string& mine, std::vector<std::string>* all, const Deadline& dl) {
-  all->assign(static_cast<size_t>(_size), std::string());
-  (*all)[0] = mine;
-  std::vector<bool> have(static_cast<size_t>(_size), false);
-  have[0] = true;
-  int missing = _size - 1;
-  Deadline rdl = root_deadline(dl);
-  while (missing > 0) {
-    std::vector<pollfd> pfds;
-    std::vector<int> who;
-    for (int r = 1; r < _size; ++r)
-      if (!have[static_cast<size_t>(r)]) {
-        pfds.push_back({_peers[static_cast<size_t>(r)].get(), POLLIN, 0});
-        who.push_back(r);
-      }
-    int n = ::poll(pfds.data(), pfds.size(), rdl.remaining_ms());
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return fail(Status::from_errno(errno, "bootstrap poll"));
-    if (n == 0) {
-      Status st = Status::error(Code::timeout, "collective #%u: rank%s %s did not arrive before the deadline", _seq,
-                                who.size() > 1 ? "s" : "", list_ranks(who).c_str());
-      abort_all(st);
-      return fail(st);
-    }
-    for (size_t i = 0; i < pfds.size(); ++i) {
-      if (pfds[i].revents == 0) continue;
-      int r = who[i];
-      Frame f;
-      Status st = read_frame(pfds[i].fd, dl, kMaxBlob, rank_name(r), &f);
-      if (st && f.type != kContrib)
-        st = Status::error(Code::protocol_error, "rank %d sent frame type %u in collective #%u", r, f.type, _seq);
-      if (st && f.seq != _seq)
-        st = Status::error(Code::protocol_error,
-                           "rank %d is in collective #%u, rank 0 in #%u (collectives called in a different order?)", r,
-                           f.seq, _seq);
-      if (!st) {
-        _peers[static_cast<size_t>(r)].reset();
-        abort_all(st);
-        return fail(st);
-      }
-      (*all)[static_cast<size_t>(r)] = std::move(f.payload);
-      have[static_cast<size_t>(r)] = true;
-      --missing;
-    }
-  }
-  std::string payload;
-  put32(&payload, static_cast<uint32_t>(_size));
-  for (const auto& s : *all) {
-    put32(&payload, static_cast<uint32_t>(s.size()));
-    payload += s;
-  }
-  std::string f = frame(kResult, _seq, payload);
-  for (int r = 1; r < _size; ++r) {
-    Status st = write_all(_peers[static_cast<size_t>(r)].get(), f, dl, rank_name(r));
-    if (!st) {
-      _peers[static_cast<size_t>(r)].reset();
-      abort_all(st);
-      return fail(st);
-    }
-  }
-  return Status::ok();
-}
-
-Status Bootstrap::allgather_leaf(const std::string& mine, std::vector<std::string>* all, const Deadline& dl) {
-  const std::string who = "rank 0";
-  HCOMM_TRY(write_all(_peers[0].get(), frame(kContrib, _seq, mine), dl, who));
-  Frame f;
-  size_t cap = 4 + static_cast<size_t>(_size) * (4 + kMaxBlob);
-  Status st = read_frame(_peers[0].get(), dl, cap, who, &f);
-  if (!st) {
-    if (st.code() == Code::timeout)
-      return Status::error(Code::timeout, "rank %d: collective #%u: no answer from rank 0 before the deadline", _rank,
-                           _seq);
-    return st;
-  }
-  if (f.type == kAbort) return abort_status(f, who);
-  if (f.type != kResult || f.seq != _seq)
-    return Status::error(Code::protocol_error, "rank 0 sent frame type %u seq %u, expected a RESULT of #%u", f.type,
-                         f.seq, _seq);
-  const std::string& p = f.payload;
-  if (p.size() < 4 || get32(p.data()) != static_cast<uint32_t>(_size))
-    return Status::error(Code::protocol_error, "RESULT from rank 0 does not hold %d blobs", _size);
-  all->assign(static_cast<size_t>(_size), std::string());
-  size_t off = 4;
-  for (int r = 0; r < _size; ++r) {
-    if (p.size() - off < 4) return Status::error(Code::protocol_error, "RESULT from rank 0 is truncated");
-    size_t len = get32(p.data() + off);
-    off += 4;
-    if (len > kMaxBlob || p.size() - off < len)
-      return Status::error(Code::protocol_error, "RESULT from rank 0: blob %d has a bad length %zu", r, len);
-    (*all)[static_cast<size_t>(r)] = p.substr(off, len);
-    off += len;
-  }
-  if (off != p.size()) return Status::error(Code::protocol_error, "RESULT from rank 0 has trailing bytes");
-  return Status::ok();
-}
-
-Status Bootstrap::allgather(const std::string& mine, std::vector<std::string>* all, const Deadline& dl) {
-  if (!_failed.is_ok()) return _failed;
-  if (all == nullptr) return Status::error(Code::invalid_argument, "allgather: null output");
-  if (mine.size() > kMaxBlob)
-    return Status::error(Code::invalid_argument, "allgather: blob of %zu bytes exceeds %zu", mine.size(), kMaxBlob);
-  if (_size == 1) {
-    all->assign(1, mine);
-  } else if (_rank == 0) {
-    HCOMM_TRY(allgather_root(mine, all, dl));
-  } else {
-    Status st = allgather_leaf(mine, all, dl);
-    if (!st) return fail(st);
-  }
-  ++_seq;
-  return Status::ok();
-}
-
-Status Bootstrap::barrier(const Deadline& dl) {
-  std::vector<std::string> ignored;
-  return allgather(std::string(), &ignored, dl);
-}
 
 }  // namespace hcomm::api

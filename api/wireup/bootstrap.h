@@ -2,17 +2,25 @@
 // everyone before any data path exists.
 //
 // The launch is read from what clusters already set (torchrun, Open MPI's
-// mpirun, PMIx, hcomm-run); there is no home-made cluster manager. The
-// exchange is a TCP rendezvous in the style of torch's TCPStore: rank 0
-// listens, every other rank connects to it, and rank 0 relays each
-// collective. Collectives are called by every rank in the same order; rank 0
-// checks that (sequence numbers) and turns any mismatch into protocol_error.
+// mpirun, PMIx, hcomm-run); there is no home-made cluster manager.
+// Bootstrap is an interface with two implementations:
+//  - create(): a TCP rendezvous in the style of torch's TCPStore: rank 0
+//    listens, every other rank connects to it, and rank 0 relays each
+//    collective. Collectives are called by every rank in the same order;
+//    rank 0 checks that (sequence numbers) and turns any mismatch into
+//    protocol_error.
+//  - from_store(): through a key-value store the job already has (torch's
+//    c10d store under torchrun / env://, whose TCPStore owns MASTER_PORT);
+//    no listener of its own. See from_store for the key layout.
 //
-// Failure: every wait has a deadline. A rank whose connection breaks makes
-// rank 0 fail the collective with peer_failure and tell the survivors (who
-// fail with the same code and a message naming the rank); a rank that never
-// joins makes create() fail with timeout naming it. After any failure the
-// Bootstrap is broken: every later call returns the first error.
+// Failure, both kinds: every wait has a deadline. A rank that never joins
+// makes create() / from_store() fail with timeout naming it. On TCP a rank
+// whose connection breaks makes rank 0 fail the collective with peer_failure
+// and tell the survivors (who fail with the same code and a message naming
+// the rank); over a store a rank that vanishes is seen as a timeout naming
+// it (a store cannot tell dead from slow), and a rank that fails publishes
+// why so that the others fail with its reason instead of waiting. After any
+// failure the Bootstrap is broken: every later call returns the first error.
 //
 // Not thread-safe: one thread drives a Bootstrap.
 #pragma once
@@ -21,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "api/wireup/kv_store.h"
 #include "common/fd.h"
 #include "common/status.h"
 #include "common/time.h"
@@ -54,10 +63,15 @@ Status detect_launch(LaunchInfo* out);
 
 class Bootstrap {
  public:
-  // Largest blob one rank may contribute to allgather.
-  static constexpr size_t kMaxBlob = 64 * 1024;
+  // Largest blob one rank may contribute to allgather: 64 KiB less room for
+  // the store implementation's value header (hcomm_kv_store_t promises its
+  // implementers values of at most 64 KiB).
+  static constexpr size_t kMaxBlob = 64 * 1024 - 64;
+  // Largest world, and longest job id, either implementation accepts.
+  static constexpr int kMaxRanks = 65536;
+  static constexpr size_t kMaxJobId = 1024;
 
-  // Joins the rendezvous; returns when every rank has joined (or fails with
+  // TCP rendezvous. Joins; returns when every rank has joined (or fails with
   // timeout after timeout_ms, naming the ranks that did not show up).
   //  - size == 1: no network at all.
   //  - master_addr set: rank 0 listens on master_addr:master_port (numeric
@@ -71,14 +85,29 @@ class Bootstrap {
   //    everyone has joined.
   static Status create(const LaunchInfo& info, int timeout_ms, std::unique_ptr<Bootstrap>* out);
 
-  ~Bootstrap();
+  // Store rendezvous: rank/size come from the caller (the store's owner knows
+  // them), job_id names the job inside the store ("" -> "store"; ranks of one
+  // job pass the same, and a job id is used once per store). Collective #s
+  // (s = 0 is the join this call performs, the caller's first collective is
+  // #1) is: rank r sets "hcomm/<job>/<s>/<r>" to a 16-byte header (magic,
+  // version, kind, world size, rank) + its blob, then gets every other rank's
+  // key. A value with another world size, rank or collective kind (a barrier
+  // against an allgather) is protocol_error; keys that do not appear before
+  // the deadline are a timeout naming the ranks that did not contribute. A
+  // rank that fails sets "hcomm/<job>/abort" to its reason; waits look at it
+  // every 200 ms and fail with that reason (first failure wins, as on TCP).
+  // size == 1 touches no store. The store is owned by the Bootstrap.
+  static Status from_store(int rank, int size, std::string job_id, std::unique_ptr<KvStore> store, int timeout_ms,
+                           std::unique_ptr<Bootstrap>* out);
+
+  virtual ~Bootstrap();
   Bootstrap(const Bootstrap&) = delete;
   Bootstrap& operator=(const Bootstrap&) = delete;
 
   int rank() const noexcept { return _rank; }
   int size() const noexcept { return _size; }
-  // The launch's job id, or one derived from the rendezvous address; never
-  // empty. Shared by all ranks.
+  // The launch's job id, or one derived from the rendezvous address ("store"
+  // for a store without one); never empty. Shared by all ranks.
   const std::string& job_id() const noexcept { return _job_id; }
 
   // Every rank contributes one blob (0..kMaxBlob bytes); on success
@@ -87,23 +116,30 @@ class Bootstrap {
   // Returns once every rank has entered it.
   Status barrier(const Deadline& deadline);
 
- private:
+ protected:
+  // What a collective is, for implementations that can check it (the store).
+  enum class Collective : uint16_t { join = 1, allgather = 2, barrier = 3 };
+
   Bootstrap(int rank, int size, std::string job_id);
-  Status fail(Status st);  // records the first failure, returns it
-  Status allgather_root(const std::string& mine, std::vector<std::string>* all, const Deadline& dl);
-  Status allgather_leaf(const std::string& mine, std::vector<std::string>* all, const Deadline& dl);
-  void abort_all(const Status& why);  // rank 0: best-effort ABORT to every live rank
+  // One collective, numbered `seq` (identical on every rank); only called
+  // while healthy and with size() > 1, `mine` within kMaxBlob. On success
+  // (*all)[r] holds rank r's blob. A failure is recorded by the caller.
+  virtual Status exchange(uint32_t seq, Collective kind, const std::string& mine, std::vector<std::string>* all,
+                          const Deadline& deadline) = 0;
+  // Called once, at the first failure: let go of connections so that peers
+  // still waiting on us wake up.
+  virtual void broken(const Status& why) noexcept { (void)why; }
+  // The number the next collective will carry.
+  uint32_t seq() const noexcept { return _seq; }
+
+ private:
+  Status run(Collective kind, const std::string& mine, std::vector<std::string>* all, const Deadline& deadline);
 
   int _rank;
   int _size;
   std::string _job_id;
   uint32_t _seq = 0;  // collectives completed so far; identical on every rank
   Status _failed;     // first failure; once set, every call returns it
-  // Rank 0: _peers[r] is rank r's connection (invalid for r == 0).
-  // Other ranks: _peers[0] is the connection to rank 0, the rest invalid.
-  std::vector<UniqueFd> _peers;
-
-  friend struct BootstrapBuilder;
 };
 
 }  // namespace hcomm::api

@@ -1,16 +1,24 @@
 #include "api/wireup/mesh.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 
+#include "api/wireup/host.h"
 #include "api/wireup/run_dir.h"
 
 namespace hcomm::api {
@@ -32,14 +40,9 @@ Status poll_for(int fd, short events, const Deadline& dl, const char* what, int 
   }
 }
 
-}  // namespace
+// ------------------------------------------------- SOCK_SEQPACKET (same host) --
 
-Status send_msg(int fd, const void* data, size_t len, std::span<const int> fds, int peer_rank) {
-  if (len == 0 || data == nullptr)
-    return Status::error(Code::invalid_argument, "send_msg: empty message (SOCK_SEQPACKET cannot tell it from EOF)");
-  if (len > kMaxMsg) return Status::error(Code::invalid_argument, "send_msg: %zu bytes exceeds %zu", len, kMaxMsg);
-  if (fds.size() > kMaxMsgFds)
-    return Status::error(Code::invalid_argument, "send_msg: %zu descriptors exceed %zu", fds.size(), kMaxMsgFds);
+Status send_packet(int fd, const void* data, size_t len, std::span<const int> fds, int peer_rank) {
   iovec iov{const_cast<void*>(data), len};
   msghdr mh{};
   mh.msg_iov = &iov;
@@ -71,17 +74,8 @@ Status send_msg(int fd, const void* data, size_t len, std::span<const int> fds, 
   }
 }
 
-Status send_msg(int fd, const void* data, size_t len, std::span<const int> fds, const Deadline& dl, int peer_rank) {
-  for (;;) {
-    Status st = send_msg(fd, data, len, fds, peer_rank);
-    if (st.code() != Code::no_resource) return st;
-    HCOMM_TRY(poll_for(fd, POLLOUT, dl, "sending to", peer_rank));
-  }
-}
-
-Status recv_msg(int fd, std::vector<uint8_t>* out, std::vector<UniqueFd>* fds, const Deadline& dl, int peer_rank) {
-  if (out == nullptr) return Status::error(Code::invalid_argument, "recv_msg: null output");
-  if (fds != nullptr) fds->clear();
+Status recv_packet(int fd, std::vector<uint8_t>* out, std::vector<UniqueFd>* fds, const Deadline& dl,
+                   int peer_rank) {
   // One byte more than the limit would be wasted: MSG_TRUNC tells us.
   out->resize(kMaxMsg);
   iovec iov{out->data(), out->size()};
@@ -145,9 +139,190 @@ Status recv_msg(int fd, std::vector<uint8_t>* out, std::vector<UniqueFd>* fds, c
   }
 }
 
+// ------------------------------------------------------ SOCK_STREAM (TCP) --
+
+// How long a stream may stall in the middle of a message (see mesh.h).
+constexpr auto kStreamStall = std::chrono::seconds(2);
+
+// max(dl, now + kStreamStall)
+Deadline stall_deadline(const Deadline& dl) {
+  auto left = std::max<Clock::duration>(dl.at() - Clock::now(), kStreamStall);
+  return Deadline(std::chrono::duration_cast<std::chrono::nanoseconds>(left));
+}
+
+Status closed_error(int peer_rank) {
+  return Status::error(Code::peer_failure, "%s closed its connection (exited or killed?)", peer_name(peer_rank).c_str());
+}
+
+// The stream is out of step (half a message went out or came in): make sure
+// nothing more travels on it, so both ends fail instead of misreading.
+Status desync(int fd, Status why) {
+  (void)::shutdown(fd, SHUT_RDWR);
+  return why;
+}
+
+Status send_frame(int fd, const void* data, size_t len, int peer_rank) {
+  uint32_t be = htonl(static_cast<uint32_t>(len));
+  iovec iov[2] = {{&be, 4}, {const_cast<void*>(data), len}};
+  const size_t total = 4 + len;
+  size_t off = 0;
+  Deadline finish(std::chrono::nanoseconds(0));
+  for (;;) {
+    // Skip what already went out.
+    iovec cur[2];
+    int n_iov = 0;
+    size_t skip = off;
+    for (const iovec& v : iov) {
+      if (skip >= v.iov_len) {
+        skip -= v.iov_len;
+        continue;
+      }
+      cur[n_iov++] = {static_cast<char*>(v.iov_base) + skip, v.iov_len - skip};
+      skip = 0;
+    }
+    msghdr mh{};
+    mh.msg_iov = cur;
+    mh.msg_iovlen = static_cast<size_t>(n_iov);
+    ssize_t n = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      if (off == 0) finish = Deadline(kStreamStall);
+      off += static_cast<size_t>(n);
+      if (off == total) return Status::ok();
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (off == 0) return Status::error(Code::no_resource, "send_msg to %s: socket full", peer_name(peer_rank).c_str());
+      Status w = poll_for(fd, POLLOUT, finish, "finishing a message to", peer_rank);
+      if (!w)
+        return desync(fd, Status::error(Code::peer_failure,
+                                        "%s stopped reading in the middle of a message (%zu of %zu bytes sent); "
+                                        "connection shut down",
+                                        peer_name(peer_rank).c_str(), off, total));
+      continue;
+    }
+    if (n < 0 && (errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN || errno == ETIMEDOUT))
+      return off == 0 ? closed_error(peer_rank) : desync(fd, closed_error(peer_rank));
+    Status st = Status::from_errno(n < 0 ? errno : EIO, "send_msg to " + peer_name(peer_rank));
+    return off == 0 ? st : desync(fd, st);
+  }
+}
+
+// Reads exactly len bytes; *got counts what arrived. Until the message's
+// first byte (*rest empty) it waits until `first`; from then on until *rest,
+// set when that byte came to max(first, now + kStreamStall).
+Status read_stream(int fd, uint8_t* buf, size_t len, size_t* got, const Deadline& first,
+                   std::optional<Deadline>* rest, int peer_rank) {
+  while (*got < len) {
+    ssize_t n = ::recv(fd, buf + *got, len - *got, MSG_DONTWAIT);
+    if (n > 0) {
+      if (!rest->has_value()) rest->emplace(stall_deadline(first));
+      *got += static_cast<size_t>(n);
+      continue;
+    }
+    if (n == 0) return closed_error(peer_rank);
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      HCOMM_TRY(poll_for(fd, POLLIN, rest->has_value() ? **rest : first, "waiting for a message from", peer_rank));
+      continue;
+    }
+    if (errno == ECONNRESET || errno == ETIMEDOUT || errno == ENOTCONN) return closed_error(peer_rank);
+    return Status::from_errno(errno, "recv_msg from " + peer_name(peer_rank));
+  }
+  return Status::ok();
+}
+
+Status recv_frame(int fd, std::vector<uint8_t>* out, const Deadline& dl, int peer_rank) {
+  out->clear();
+  uint8_t h[4];
+  size_t got = 0;
+  std::optional<Deadline> rest;
+  Status st = read_stream(fd, h, 4, &got, dl, &rest, peer_rank);
+  if (!st) {
+    if (!rest) return st;  // nothing of this message yet: timeout / closed as such
+    return desync(fd, st.code() == Code::timeout
+                          ? Status::error(Code::peer_failure,
+                                          "%s stalled in the middle of a message header; connection shut down",
+                                          peer_name(peer_rank).c_str())
+                          : Status(st.code(), st.message() + " (in the middle of a message)"));
+  }
+  uint32_t be;
+  std::memcpy(&be, h, 4);
+  size_t len = ntohl(be);
+  if (len == 0 || len > kMaxMsg)
+    return desync(fd, Status::error(Code::protocol_error, "message from %s has length %zu, outside 1..%zu",
+                                    peer_name(peer_rank).c_str(), len, kMaxMsg));
+  out->resize(len);
+  got = 0;
+  st = read_stream(fd, out->data(), len, &got, dl, &rest, peer_rank);
+  if (!st) {
+    out->clear();
+    return desync(fd, st.code() == Code::timeout
+                          ? Status::error(Code::peer_failure,
+                                          "%s stalled in the middle of a message (%zu of %zu bytes); connection "
+                                          "shut down",
+                                          peer_name(peer_rank).c_str(), got, len)
+                          : Status(st.code(), st.message() + " (in the middle of a message)"));
+  }
+  return Status::ok();
+}
+
+// SOCK_STREAM (framed) or SOCK_SEQPACKET; anything else is refused.
+Status is_stream(int fd, bool* stream) {
+  int type = 0;
+  socklen_t len = sizeof type;
+  if (::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0) return Status::from_errno(errno, "getsockopt(SO_TYPE)");
+  if (type != SOCK_STREAM && type != SOCK_SEQPACKET)
+    return Status::error(Code::invalid_argument, "mesh socket has type %d, neither stream nor seqpacket", type);
+  *stream = type == SOCK_STREAM;
+  return Status::ok();
+}
+
+}  // namespace
+
+Status send_msg(int fd, const void* data, size_t len, std::span<const int> fds, int peer_rank) {
+  if (len == 0 || data == nullptr)
+    return Status::error(Code::invalid_argument, "send_msg: empty message (SOCK_SEQPACKET cannot tell it from EOF)");
+  if (len > kMaxMsg) return Status::error(Code::invalid_argument, "send_msg: %zu bytes exceeds %zu", len, kMaxMsg);
+  if (fds.size() > kMaxMsgFds)
+    return Status::error(Code::invalid_argument, "send_msg: %zu descriptors exceed %zu", fds.size(), kMaxMsgFds);
+  bool stream = false;
+  HCOMM_TRY(is_stream(fd, &stream));
+  if (!stream) return send_packet(fd, data, len, fds, peer_rank);
+  if (!fds.empty())
+    return Status::error(Code::invalid_argument, "send_msg to %s: descriptors cannot cross hosts",
+                         peer_name(peer_rank).c_str());
+  return send_frame(fd, data, len, peer_rank);
+}
+
+Status send_msg(int fd, const void* data, size_t len, std::span<const int> fds, const Deadline& dl, int peer_rank) {
+  for (;;) {
+    Status st = send_msg(fd, data, len, fds, peer_rank);
+    if (st.code() != Code::no_resource) return st;
+    HCOMM_TRY(poll_for(fd, POLLOUT, dl, "sending to", peer_rank));
+  }
+}
+
+Status recv_msg(int fd, std::vector<uint8_t>* out, std::vector<UniqueFd>* fds, const Deadline& dl, int peer_rank) {
+  if (out == nullptr) return Status::error(Code::invalid_argument, "recv_msg: null output");
+  if (fds != nullptr) fds->clear();
+  bool stream = false;
+  HCOMM_TRY(is_stream(fd, &stream));
+  return stream ? recv_frame(fd, out, dl, peer_rank) : recv_packet(fd, out, fds, dl, peer_rank);
+}
+
 // ------------------------------------------------------------------ mesh --
 
+uint64_t mesh_job_cookie(const std::string& job_id) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : job_id) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
 namespace {
+
+// --- same host: AF_UNIX SOCK_SEQPACKET ---
+
 
 constexpr uint32_t kHelloMagic = 0x48434d48;  // "HCMH"
 constexpr uint32_t kHelloVersion = 1;
@@ -215,16 +390,287 @@ struct Listener {
   }
 };
 
+// --- other hosts: TCP ---
+
+enum : uint16_t { kTcpHello = 1, kTcpRefuse = 2 };
+constexpr size_t kMaxRefuse = 1024;
+// A connection that has not said hello within this long is dropped, so that
+// a silent stranger cannot hold up the mesh for long.
+constexpr auto kHelloWait = std::chrono::seconds(2);
+
+struct TcpHello {
+  uint32_t magic = 0;
+  uint16_t version = 0, type = 0;
+  uint64_t cookie = 0;
+  uint32_t rank = 0, size = 0;
+  std::string text;
+};
+
+void put16(std::string* s, uint16_t v) {
+  v = htons(v);
+  s->append(reinterpret_cast<const char*>(&v), 2);
+}
+void put32(std::string* s, uint32_t v) {
+  v = htonl(v);
+  s->append(reinterpret_cast<const char*>(&v), 4);
+}
+uint32_t get32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return ntohl(v);
+}
+
+std::string tcp_hello(uint16_t type, uint64_t cookie, int rank, int size, const std::string& text = {}) {
+  std::string h;
+  put32(&h, kMeshTcpMagic);
+  put16(&h, kMeshTcpVersion);
+  put16(&h, type);
+  put32(&h, static_cast<uint32_t>(cookie >> 32));
+  put32(&h, static_cast<uint32_t>(cookie));
+  put32(&h, static_cast<uint32_t>(rank));
+  put32(&h, static_cast<uint32_t>(size));
+  std::string t = text.substr(0, kMaxRefuse);
+  put32(&h, static_cast<uint32_t>(t.size()));
+  return h + t;
+}
+
+Status write_all(int fd, const std::string& bytes, const Deadline& dl, int peer_rank) {
+  size_t off = 0;
+  while (off < bytes.size()) {
+    ssize_t n = ::send(fd, bytes.data() + off, bytes.size() - off, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      off += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      HCOMM_TRY(poll_for(fd, POLLOUT, dl, "sending a hello to", peer_rank));
+      continue;
+    }
+    if (n < 0 && (errno == EPIPE || errno == ECONNRESET)) return closed_error(peer_rank);
+    return Status::from_errno(errno, "send to " + peer_name(peer_rank));
+  }
+  return Status::ok();
+}
+
+// Reads one hello; the magic and the text length are checked before the
+// text is read, so a stranger's garbage never makes us wait for or allocate
+// what it announces.
+Status read_tcp_hello(int fd, const Deadline& dl, int peer_rank, TcpHello* h) {
+  uint8_t b[kMeshTcpHello];
+  size_t got = 0;
+  std::optional<Deadline> rest;
+  HCOMM_TRY(read_stream(fd, b, sizeof b, &got, dl, &rest, peer_rank));
+  h->magic = get32(b);
+  h->version = static_cast<uint16_t>(get32(b + 4) >> 16);
+  h->type = static_cast<uint16_t>(get32(b + 4) & 0xffff);
+  h->cookie = (uint64_t{get32(b + 8)} << 32) | get32(b + 12);
+  h->rank = get32(b + 16);
+  h->size = get32(b + 20);
+  uint32_t tlen = get32(b + 24);
+  if (h->magic != kMeshTcpMagic)
+    return Status::error(Code::protocol_error, "not an hcomm mesh hello (magic 0x%08x, expected 0x%08x)", h->magic,
+                         kMeshTcpMagic);
+  if (tlen > kMaxRefuse)
+    return Status::error(Code::protocol_error, "mesh hello announces %u bytes of text, more than %zu", tlen,
+                         kMaxRefuse);
+  h->text.assign(tlen, '\0');
+  got = 0;
+  return read_stream(fd, reinterpret_cast<uint8_t*>(h->text.data()), tlen, &got, dl, &rest, peer_rank);
+}
+
+// What a hello must say to be the rank we expect: `expect` >= 0 (we
+// connected to it), or any higher rank on another host (-1: we accepted it).
+Status check_tcp_hello(const TcpHello& h, uint64_t cookie, int me, int size, int expect,
+                       const std::vector<MeshLink>& links) {
+  if (h.version != kMeshTcpVersion)
+    return Status::error(Code::protocol_error,
+                         "mesh wire protocol version %u, this build speaks %u (a different hcomm build?)", h.version,
+                         kMeshTcpVersion);
+  if (h.type != kTcpHello) return Status::error(Code::protocol_error, "mesh hello of type %u, expected HELLO", h.type);
+  if (h.cookie != cookie)
+    return Status::error(Code::protocol_error, "mesh hello from another job (job cookie %016llx, this job's is %016llx)",
+                         static_cast<unsigned long long>(h.cookie), static_cast<unsigned long long>(cookie));
+  if (h.size != static_cast<uint32_t>(size))
+    return Status::error(Code::protocol_error, "mesh hello: world size %u, this job has %d", h.size, size);
+  if (expect >= 0) {
+    if (h.rank != static_cast<uint32_t>(expect))
+      return Status::error(Code::protocol_error, "mesh hello from rank %u, expected rank %d", h.rank, expect);
+    return Status::ok();
+  }
+  if (h.rank >= static_cast<uint32_t>(size) || static_cast<int>(h.rank) <= me)
+    return Status::error(Code::protocol_error, "mesh hello from rank %u: only ranks above %d connect to rank %d",
+                         h.rank, me, me);
+  const MeshLink& l = links[h.rank];
+  if (l.same_host)
+    return Status::error(Code::protocol_error, "mesh hello from rank %u over TCP, but it is on this host (%s)", h.rank,
+                         l.host.c_str());
+  if (l.fd.valid()) return Status::error(Code::protocol_error, "mesh hello: rank %u connected twice", h.rank);
+  return Status::ok();
+}
+
+// env HCOMM_KEEPALIVE_MS: the bound on noticing a silent peer host.
+Status keepalive_ms(int* out) {
+  *out = 5000;
+  const char* e = std::getenv("HCOMM_KEEPALIVE_MS");
+  if (e == nullptr || *e == '\0') return Status::ok();
+  char* end = nullptr;
+  errno = 0;
+  long v = std::strtol(e, &end, 10);
+  if (end == e || *end != '\0' || errno == ERANGE || v < 1000 || v > 3600000)
+    return Status::error(Code::invalid_argument, "HCOMM_KEEPALIVE_MS=\"%s\": use 1000..3600000 (milliseconds)", e);
+  *out = static_cast<int>(v);
+  return Status::ok();
+}
+
+// TCP_NODELAY (control messages are small and latency-bound) and keepalive.
+// With T = HCOMM_KEEPALIVE_MS (ms; keepalive settings are whole seconds):
+//   TCP_KEEPIDLE  = idle  = max(1, T / 2000) s   (half the bound idle)
+//   TCP_KEEPCNT   = cnt   = 3
+//   TCP_KEEPINTVL = intvl = max(1, (T / 1000 - idle) / cnt) s
+//   TCP_USER_TIMEOUT = T ms (data unacknowledged for T fails the link)
+// so an idle link to a silent host fails after idle + cnt * intvl (= T for
+// T a multiple of 2 s up to rounding; 4 s for T < 4000), a busy one after T.
+// The default 5000 gives idle 2 s, intvl 1 s: 5 s either way.
+Status tune_tcp(int fd, int t_ms) {
+  const int one = 1;
+  const int idle = std::max(1, t_ms / 2000), cnt = 3;
+  const int intvl = std::max(1, (t_ms / 1000 - idle) / cnt);
+  const unsigned user_timeout = static_cast<unsigned>(t_ms);
+  struct Opt {
+    int level, name;
+    const void* v;
+    socklen_t len;
+    const char* what;
+  } opts[] = {
+      {IPPROTO_TCP, TCP_NODELAY, &one, sizeof one, "TCP_NODELAY"},
+      {SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one, "SO_KEEPALIVE"},
+      {IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle, "TCP_KEEPIDLE"},
+      {IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl, "TCP_KEEPINTVL"},
+      {IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt, "TCP_KEEPCNT"},
+      {IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof user_timeout, "TCP_USER_TIMEOUT"},
+  };
+  for (const Opt& o : opts)
+    if (::setsockopt(fd, o.level, o.name, o.v, o.len) != 0) return Status::from_errno(errno, o.what);
+  return Status::ok();
+}
+
+Status numeric_addr(const std::string& addr, int port, sockaddr_storage* ss, socklen_t* len) {
+  *ss = {};
+  auto* v4 = reinterpret_cast<sockaddr_in*>(ss);
+  auto* v6 = reinterpret_cast<sockaddr_in6*>(ss);
+  if (::inet_pton(AF_INET, addr.c_str(), &v4->sin_addr) == 1) {
+    v4->sin_family = AF_INET;
+    v4->sin_port = htons(static_cast<uint16_t>(port));
+    *len = sizeof *v4;
+    return Status::ok();
+  }
+  if (::inet_pton(AF_INET6, addr.c_str(), &v6->sin6_addr) == 1) {
+    v6->sin6_family = AF_INET6;
+    v6->sin6_port = htons(static_cast<uint16_t>(port));
+    *len = sizeof *v6;
+    return Status::ok();
+  }
+  return Status::error(Code::invalid_argument, "\"%s\" is not a numeric IPv4/IPv6 address", addr.c_str());
+}
+
+std::string endpoint(const std::string& addr, int port) {
+  if (addr.find(':') != std::string::npos) return "[" + addr + "]:" + std::to_string(port);
+  return addr + ":" + std::to_string(port);
+}
+
+Status listen_tcp(const std::string& addr, int backlog, UniqueFd* out, int* port) {
+  sockaddr_storage ss;
+  socklen_t len;
+  HCOMM_TRY(numeric_addr(addr, 0, &ss, &len));
+  UniqueFd fd(::socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd.valid()) return Status::from_errno(errno, "socket(TCP)");
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&ss), len) != 0 || ::listen(fd.get(), backlog) != 0)
+    return Status::from_errno(errno, "mesh: listen on " + endpoint(addr, 0));
+  len = sizeof ss;
+  if (::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len) != 0)
+    return Status::from_errno(errno, "getsockname");
+  *port = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                         : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  *out = std::move(fd);
+  return Status::ok();
+}
+
+Status connect_tcp(const std::string& addr, int port, const Deadline& dl, int me, int j, UniqueFd* out) {
+  sockaddr_storage ss;
+  socklen_t len;
+  HCOMM_TRY(numeric_addr(addr, port, &ss, &len));
+  UniqueFd fd(::socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd.valid()) return Status::from_errno(errno, "socket(TCP)");
+  int err = 0;
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&ss), len) != 0) {
+    err = errno;
+    if (err == EINPROGRESS) {
+      Status w = poll_for(fd.get(), POLLOUT, dl, "connecting to", j);
+      if (!w) return w;
+      socklen_t el = sizeof err;
+      (void)::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &el);
+    }
+  }
+  if (err != 0)
+    return Status::error(err == ECONNREFUSED ? Code::peer_failure : Code::io_error,
+                         "mesh: rank %d cannot connect to rank %d at %s: %s", me, j, endpoint(addr, port).c_str(),
+                         std::strerror(err));
+  *out = std::move(fd);
+  return Status::ok();
+}
+
+// Parses round 1's blob "pid\nhost\npath".
+Status parse_unix_blob(const std::string& s, int r, pid_t* pid, std::string* host, std::string* path) {
+  size_t a = s.find('\n'), b = a == std::string::npos ? a : s.find('\n', a + 1);
+  char* end = nullptr;
+  long p = a == std::string::npos ? 0 : std::strtol(s.c_str(), &end, 10);
+  if (b == std::string::npos || p <= 0 || end != s.c_str() + a)
+    return Status::error(Code::protocol_error, "mesh: rank %d published a malformed address \"%s\"", r, s.c_str());
+  *pid = static_cast<pid_t>(p);
+  *host = s.substr(a + 1, b - a - 1);
+  *path = s.substr(b + 1);
+  return Status::ok();
+}
+
+// Parses round 2's blob "addr port" ("" = no listener).
+Status parse_tcp_blob(const std::string& s, int r, std::string* addr, int* port) {
+  size_t sp = s.rfind(' ');
+  char* end = nullptr;
+  long p = sp == std::string::npos ? 0 : std::strtol(s.c_str() + sp + 1, &end, 10);
+  if (sp == std::string::npos || p < 1 || p > 65535 || *end != '\0')
+    return Status::error(Code::protocol_error, "mesh: rank %d published a malformed TCP endpoint \"%s\"", r,
+                         s.c_str());
+  *addr = s.substr(0, sp);
+  *port = static_cast<int>(p);
+  return Status::ok();
+}
+
+Deadline min_deadline(const Deadline& dl, std::chrono::nanoseconds cap) {
+  auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(dl.at() - Clock::now());
+  return Deadline(std::min(left, cap));
+}
+
 }  // namespace
 
-Status connect_mesh(Bootstrap& boot, const Deadline& dl, std::vector<UniqueFd>* peers) {
+Status connect_mesh(Bootstrap& boot, const Deadline& dl, std::vector<MeshLink>* peers) {
   if (peers == nullptr) return Status::error(Code::invalid_argument, "connect_mesh: null output");
   const int me = boot.rank(), size = boot.size();
-  std::vector<UniqueFd> out(static_cast<size_t>(size));
+  std::vector<MeshLink> out(static_cast<size_t>(size));
+  const std::string my_host = host_id();
+  out[static_cast<size_t>(me)].host = my_host;
   if (size == 1) {
     *peers = std::move(out);
     return Status::ok();
   }
+  if (my_host.find('\n') != std::string::npos)
+    return Status::error(Code::invalid_argument, "host id \"%s\" (HCOMM_HOST_ID?) contains a newline",
+                         my_host.c_str());
+  int keep_ms = 0;
+  HCOMM_TRY(keepalive_ms(&keep_ms));
+
+  // Round 1: who is where. Every rank listens on its UNIX path first (the
+  // allgather orders listening before anyone connects).
   Listener l;
   std::string base;
   HCOMM_TRY(private_run_dir(&base));
@@ -240,29 +686,67 @@ Status connect_mesh(Bootstrap& boot, const Deadline& dl, std::vector<UniqueFd>* 
     return Status::from_errno(errno, "bind " + l.path);
   if (::listen(l.fd.get(), size) != 0) return Status::from_errno(errno, "listen " + l.path);
 
-  // Everyone listens before anyone connects: the allgather orders it.
   std::vector<std::string> all;
-  HCOMM_TRY(boot.allgather(std::to_string(::getpid()) + " " + l.path, &all, dl));
+  HCOMM_TRY(boot.allgather(std::to_string(::getpid()) + "\n" + my_host + "\n" + l.path, &all, dl));
   std::vector<pid_t> pids(static_cast<size_t>(size));
   std::vector<std::string> paths(static_cast<size_t>(size));
+  bool hosts_differ = false, have_remote = false;
   for (int r = 0; r < size; ++r) {
-    const std::string& s = all[static_cast<size_t>(r)];
-    size_t sp = s.find(' ');
-    char* end = nullptr;
-    long pid = sp == std::string::npos ? 0 : std::strtol(s.c_str(), &end, 10);
-    if (pid <= 0 || end != s.c_str() + sp)
-      return Status::error(Code::protocol_error, "mesh: rank %d published a malformed address \"%s\"", r, s.c_str());
-    pids[static_cast<size_t>(r)] = static_cast<pid_t>(pid);
-    paths[static_cast<size_t>(r)] = s.substr(sp + 1);
+    auto& link = out[static_cast<size_t>(r)];
+    HCOMM_TRY(parse_unix_blob(all[static_cast<size_t>(r)], r, &pids[static_cast<size_t>(r)], &link.host,
+                              &paths[static_cast<size_t>(r)]));
+    link.same_host = link.host == my_host;
+    have_remote |= !link.same_host;
+    hosts_differ |= link.host != out[0].host;
+  }
+
+  // Round 2, only when the job spans hosts (every rank sees the same hosts,
+  // so every rank agrees on whether it happens): TCP endpoints.
+  UniqueFd tcp_l;
+  std::vector<std::string> tcp_addr(static_cast<size_t>(size));
+  std::vector<int> tcp_port(static_cast<size_t>(size), 0);
+  if (hosts_differ) {
+    std::string mine;
+    if (have_remote) {
+      std::string a;
+      int port = 0;
+      HCOMM_TRY(mesh_listen_address(&a));
+      HCOMM_TRY(listen_tcp(a, size, &tcp_l, &port));
+      mine = a + " " + std::to_string(port);
+    }
+    HCOMM_TRY(boot.allgather(mine, &all, dl));
+    for (int r = 0; r < size; ++r)
+      if (!out[static_cast<size_t>(r)].same_host)
+        HCOMM_TRY(parse_tcp_blob(all[static_cast<size_t>(r)], r, &tcp_addr[static_cast<size_t>(r)],
+                                 &tcp_port[static_cast<size_t>(r)]));
   }
   const std::string my_hello = hello(me, ::getpid(), boot.job_id());
+  const uint64_t cookie = mesh_job_cookie(boot.job_id());
+  const std::string my_tcp_hello = tcp_hello(kTcpHello, cookie, me, size);
 
   // Connect to every lower rank, one at a time. Deadlock-free: rank j
   // answers once it has finished its own lower ranks, and rank 0 has none.
   for (int j = 0; j < me; ++j) {
+    auto& link = out[static_cast<size_t>(j)];
+    UniqueFd fd;
+    if (!link.same_host) {
+      HCOMM_TRY(connect_tcp(tcp_addr[static_cast<size_t>(j)], tcp_port[static_cast<size_t>(j)], dl, me, j, &fd));
+      HCOMM_TRY(tune_tcp(fd.get(), keep_ms));
+      HCOMM_TRY(write_all(fd.get(), my_tcp_hello, dl, j));
+      TcpHello h;
+      HCOMM_TRY(read_tcp_hello(fd.get(), dl, j, &h));
+      if (h.type == kTcpRefuse)
+        return Status::error(Code::protocol_error, "mesh: rank %d refused rank %d's connection: %s", j, me,
+                             h.text.c_str());
+      if (Status st = check_tcp_hello(h, cookie, me, size, j, out); !st)
+        return Status(st.code(), "mesh: rank " + std::to_string(j) + " at " +
+                                     endpoint(tcp_addr[static_cast<size_t>(j)], tcp_port[static_cast<size_t>(j)]) +
+                                     ": " + st.message());
+      link.fd = std::move(fd);
+      continue;
+    }
     sockaddr_un a;
     HCOMM_TRY(make_addr(paths[static_cast<size_t>(j)], &a));
-    UniqueFd fd;
     for (;;) {
       fd.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
       if (!fd.valid()) return Status::from_errno(errno, "socket(AF_UNIX, SOCK_SEQPACKET)");
@@ -282,19 +766,47 @@ Status connect_mesh(Bootstrap& boot, const Deadline& dl, std::vector<UniqueFd>* 
     HCOMM_TRY(recv_msg(fd.get(), &m, nullptr, dl, j));
     int r;
     HCOMM_TRY(check_hello(m, boot.job_id(), me, size, j, pids, &r));
-    out[static_cast<size_t>(j)] = std::move(fd);
+    link.fd = std::move(fd);
   }
 
-  // Accept every higher rank, in whatever order they come.
+  // Accept every higher rank, in whatever order and over whichever listener
+  // they come.
+  std::string refused;  // strangers turned away, for the timeout message
   for (int pending = size - 1 - me; pending > 0;) {
-    Status w = poll_for(l.fd.get(), POLLIN, dl, "waiting for mesh connections as", me);
-    if (!w.is_ok()) {
+    pollfd pf[2] = {{l.fd.get(), POLLIN, 0}, {tcp_l.get(), POLLIN, 0}};
+    int n = ::poll(pf, tcp_l.valid() ? 2 : 1, dl.remaining_ms());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return Status::from_errno(errno, "poll");
+    if (n == 0) {
       std::string missing;
       for (int r = me + 1; r < size; ++r)
-        if (!out[static_cast<size_t>(r)].valid()) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-      return Status::error(Code::timeout, "mesh: rank %d: ranks %s did not connect before the deadline", me,
-                           missing.c_str());
+        if (!out[static_cast<size_t>(r)].fd.valid()) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      return Status::error(Code::timeout, "mesh: rank %d: ranks %s did not connect before the deadline%s", me,
+                           missing.c_str(), refused.c_str());
     }
+    if (pf[1].revents != 0) {
+      UniqueFd fd(::accept4(tcp_l.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      if (!fd.valid()) {
+        if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED)
+          return Status::from_errno(errno, "accept (mesh TCP listener)");
+      } else {
+        TcpHello h;
+        Status st = read_tcp_hello(fd.get(), min_deadline(dl, kHelloWait), -1, &h);
+        if (st) st = check_tcp_hello(h, cookie, me, size, -1, out);
+        if (!st) {
+          // Say why, then keep waiting for the real peers.
+          (void)write_all(fd.get(), tcp_hello(kTcpRefuse, cookie, me, size, st.message()), Deadline::after_ms(200), -1);
+          refused += "; refused a TCP connection: " + st.message();
+          continue;
+        }
+        const int r = static_cast<int>(h.rank);
+        HCOMM_TRY(tune_tcp(fd.get(), keep_ms));
+        HCOMM_TRY(write_all(fd.get(), my_tcp_hello, dl, r));
+        out[static_cast<size_t>(r)].fd = std::move(fd);
+        --pending;
+      }
+    }
+    if (pf[0].revents == 0) continue;
     UniqueFd fd(::accept4(l.fd.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
     if (!fd.valid()) {
       if (errno == EAGAIN || errno == EINTR || errno == ECONNABORTED) continue;
@@ -304,15 +816,54 @@ Status connect_mesh(Bootstrap& boot, const Deadline& dl, std::vector<UniqueFd>* 
     HCOMM_TRY(recv_msg(fd.get(), &m, nullptr, dl));
     int r = -1;
     HCOMM_TRY(check_hello(m, boot.job_id(), me, size, -1, pids, &r));
-    if (out[static_cast<size_t>(r)].valid())
+    if (out[static_cast<size_t>(r)].fd.valid())
       return Status::error(Code::protocol_error, "mesh: rank %d connected twice", r);
+    if (!out[static_cast<size_t>(r)].same_host)
+      return Status::error(Code::protocol_error, "mesh: rank %d (host %s) connected over AF_UNIX to host %s", r,
+                           out[static_cast<size_t>(r)].host.c_str(), my_host.c_str());
     HCOMM_TRY(check_cred(fd.get(), pids[static_cast<size_t>(r)], r));
     HCOMM_TRY(send_msg(fd.get(), my_hello.data(), my_hello.size(), {}, dl, r));
-    out[static_cast<size_t>(r)] = std::move(fd);
+    out[static_cast<size_t>(r)].fd = std::move(fd);
     --pending;
   }
   *peers = std::move(out);
   return Status::ok();
+}
+
+Status connect_mesh(Bootstrap& boot, const Deadline& dl, std::vector<UniqueFd>* peers) {
+  if (peers == nullptr) return Status::error(Code::invalid_argument, "connect_mesh: null output");
+  std::vector<MeshLink> links;
+  HCOMM_TRY(connect_mesh(boot, dl, &links));
+  peers->clear();
+  for (auto& l : links) peers->push_back(std::move(l.fd));
+  return Status::ok();
+}
+
+Status mesh_goodbye(MeshLink& link, const Deadline& dl) {
+  if (!link.fd.valid()) return Status::ok();
+  const int fd = link.fd.get();
+  const std::string who = "the peer on host " + link.host;
+  if (::shutdown(fd, SHUT_WR) != 0 && errno != ENOTCONN) return Status::from_errno(errno, "shutdown " + who);
+  char buf[4096];
+  for (;;) {
+    // Without a control buffer the kernel closes any descriptors that arrive.
+    ssize_t n = ::recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (n == 0) return Status::ok();
+    if (n > 0 || (n < 0 && errno == EINTR)) continue;  // late messages: the caller has said it is done
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      pollfd p{fd, POLLIN, 0};
+      int k = ::poll(&p, 1, dl.remaining_ms());
+      if (k == 0)
+        return Status::error(Code::timeout, "mesh goodbye: %s did not close its end before the deadline",
+                             who.c_str());
+      if (k < 0 && errno != EINTR) return Status::from_errno(errno, "poll");
+      continue;
+    }
+    if (errno == ECONNRESET || errno == ETIMEDOUT || errno == ENOTCONN || errno == EPIPE)
+      return Status::error(Code::peer_failure, "mesh goodbye: %s reset the connection instead of closing it",
+                           who.c_str());
+    return Status::from_errno(errno, "recv from " + who);
+  }
 }
 
 }  // namespace hcomm::api
