@@ -70,10 +70,10 @@ class StoreBootstrap final : public Bootstrap {
   }
 
   // Tell the others why, so that they fail now with our reason instead of
-  // timing out on a key we will never set. Best effort; not when the reason
-  // is someone else's abort (it is already there) or the store itself.
+  // timing out on a key we will never set. Best effort (the store may be
+  // what failed); not when the reason is someone else's abort (already there).
   void broken(const Status& why) noexcept override {
-    if (_peer_aborted || _store_failed) return;
+    if (_peer_aborted) return;
     std::string v;
     put32(&v, static_cast<uint32_t>(why.code()));
     v += ("rank " + std::to_string(rank()) + ": " + why.message()).substr(0, kMaxAbortMsg);
@@ -92,9 +92,8 @@ class StoreBootstrap final : public Bootstrap {
 
   std::string key(uint32_t s, int r) const { return _prefix + std::to_string(s) + "/" + std::to_string(r); }
 
-  // A store call failed: remember that it was the store, say which rank and collective.
-  Status store_error(const Status& st, uint32_t s) {
-    _store_failed = true;
+  // A store call failed: say which rank and collective.
+  Status store_error(const Status& st, uint32_t s) const {
     return Status(st.code(), "rank " + std::to_string(rank()) + ": store bootstrap, collective #" +
                                  std::to_string(s) + ": " + st.message());
   }
@@ -199,7 +198,6 @@ class StoreBootstrap final : public Bootstrap {
   std::string _prefix;  // "hcomm/<job>/"
   int _timeout_ms;
   bool _peer_aborted = false;  // the failure is another rank's abort
-  bool _store_failed = false;  // the failure is the store's own
 };
 
 }  // namespace
