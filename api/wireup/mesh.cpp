@@ -4,7 +4,9 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <linux/sockios.h>
 #include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -155,13 +157,33 @@ Status closed_error(int peer_rank) {
 }
 
 // The stream is out of step (half a message went out or came in): make sure
-// nothing more travels on it, so both ends fail instead of misreading.
+// nothing more travels on it, so both ends fail instead of misreading. What
+// is already buffered is dropped too (SHUT_RD alone leaves it readable), so
+// that our next recv_msg sees the end: peer_failure.
 Status desync(int fd, Status why) {
   (void)::shutdown(fd, SHUT_RDWR);
+  char sink[4096];
+  for (int i = 0; i < 256 && ::recv(fd, sink, sizeof sink, MSG_DONTWAIT) > 0; ++i) {
+  }
   return why;
 }
 
+// Back-pressure before the first byte: a frame goes out only if the send
+// buffer seems to have room for all of it (queued bytes, SIOCOUTQ, against
+// half of SO_SNDBUF, which the kernel doubles for bookkeeping) or is empty.
+// The kernel may still take part of it; this only makes that rare, so that a
+// receiver that is merely slow sees back-pressure, not a broken link.
+bool room_for(int fd, size_t bytes) {
+  int queued = 0, sndbuf = 0;
+  socklen_t sl = sizeof sndbuf;
+  if (::ioctl(fd, SIOCOUTQ, &queued) != 0 || ::getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, &sl) != 0)
+    return true;  // cannot tell: let the send find out
+  return queued <= 0 || static_cast<size_t>(queued) + bytes <= static_cast<size_t>(sndbuf) / 2;
+}
+
 Status send_frame(int fd, const void* data, size_t len, int peer_rank) {
+  if (!room_for(fd, 4 + len))
+    return Status::error(Code::no_resource, "send_msg to %s: socket full", peer_name(peer_rank).c_str());
   uint32_t be = htonl(static_cast<uint32_t>(len));
   iovec iov[2] = {{&be, 4}, {const_cast<void*>(data), len}};
   const size_t total = 4 + len;

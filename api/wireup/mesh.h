@@ -9,8 +9,10 @@
 // = framed), so an AF_UNIX SOCK_STREAM pair stands in for TCP in tests.
 //
 // Partial messages on a stream (no per-socket state is kept): send_msg
-// returns no_resource only when the kernel took none of the message; once it
-// took the first byte, it writes the rest, waiting at most 2 s for room.
+// returns no_resource when the send buffer lacks room for the whole frame
+// (SIOCOUTQ against SO_SNDBUF) or the kernel took none of it; once the
+// kernel took the first byte, it writes the rest, waiting at most 2 s for
+// room (rare: only when the room estimate was wrong).
 // Likewise recv_msg waits only for a message's first byte until the caller's
 // deadline (a zero deadline polls), and once one byte has arrived reads the
 // rest within max(deadline, 2 s). A peer that stalls mid-message for that
