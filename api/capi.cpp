@@ -3,7 +3,7 @@
 #include <new>
 #include <string>
 
-#include "api/internal.h"
+#include "api/core/context.h"
 #include "hal/abi/desc.h"
 #include "hcomm_config.h"
 
@@ -87,6 +87,12 @@ void hcomm_config_init(hcomm_config_t* c) {
   c->bootstrap_timeout_ms = 30000;
   c->device = nullptr;
   c->peer_check_ms = 1;
+  c->rank = -1;
+  c->size = 0;
+  c->local_rank = -1;
+  c->store = nullptr;
+  c->job_id = nullptr;
+  c->transports = nullptr;
 }
 
 hcomm_status_t hcomm_init(const hcomm_config_t* config, hcomm_context_t** out) {
@@ -121,6 +127,10 @@ int hcomm_rank(const hcomm_context_t* c) { return c != nullptr && c->impl ? c->i
 int hcomm_size(const hcomm_context_t* c) { return c != nullptr && c->impl ? c->impl->size() : -1; }
 const char* hcomm_engine_name(const hcomm_context_t* c) {
   return c != nullptr && c->impl ? c->impl->engine_name() : "none";
+}
+
+const char* hcomm_peer_transport(const hcomm_context_t* c, int peer) {
+  return c != nullptr && c->impl ? c->impl->peer_transport(peer) : nullptr;
 }
 
 hcomm_status_t hcomm_barrier(hcomm_context_t* c, int timeout_ms) {
@@ -172,7 +182,7 @@ hcomm_status_t hcomm_rkey_import(hcomm_context_t* c, int peer, const void* buf, 
   return ret(ctx.rkey_import(peer, buf, len, rkey));
 }
 
-size_t hcomm_rkey_size(const hcomm_rkey_t* k) { return k != nullptr ? k->w.size : 0; }
+size_t hcomm_rkey_size(const hcomm_rkey_t* k) { return k != nullptr ? k->h.size : 0; }
 
 hcomm_status_t hcomm_rkey_release(hcomm_rkey_t* k) {
   if (k == nullptr || k->ctx == nullptr) return fail(HCOMM_ERR_INVALID, "null remote key");
@@ -224,7 +234,7 @@ hcomm_status_t hcomm_request_recv_info(const hcomm_request_t* req, hcomm_recv_in
 namespace {
 Context::RmaArgs put_args(const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off) {
   Context::RmaArgs a;
-  a.op = Context::Rma::put;
+  a.op = hcomm::api::Rma::put;
   a.local = static_cast<uint8_t*>(const_cast<void*>(local));
   a.len = len;
   a.rkey = rkey;
@@ -233,7 +243,7 @@ Context::RmaArgs put_args(const void* local, size_t len, hcomm_rkey_t* rkey, uin
 }
 Context::RmaArgs get_args(void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off) {
   Context::RmaArgs a = put_args(local, len, rkey, off);
-  a.op = Context::Rma::get;
+  a.op = hcomm::api::Rma::get;
   return a;
 }
 Context::RmaArgs acc_args(const void* local, size_t count, hcomm_dtype_t dt, hcomm_op_t op, hcomm_rkey_t* rkey,
@@ -241,7 +251,7 @@ Context::RmaArgs acc_args(const void* local, size_t count, hcomm_dtype_t dt, hco
   size_t es = hcomm_dtype_size(dt);
   *ok = es != 0 && count <= SIZE_MAX / es;
   Context::RmaArgs a = put_args(local, count * (es ? es : 1), rkey, off);
-  a.op = Context::Rma::acc;
+  a.op = hcomm::api::Rma::acc;
   a.dtype = dt;
   a.redop = op;
   return a;
@@ -255,7 +265,7 @@ Context::RmaArgs notify_args(const void* local, size_t len, hcomm_rkey_t* rkey, 
   a.notify_value = value;
   return a;
 }
-Context::RmaArgs atomic_args(Context::Rma op, hcomm_rkey_t* rkey, uint64_t off, uint64_t operand, uint64_t compare,
+Context::RmaArgs atomic_args(hcomm::api::Rma op, hcomm_rkey_t* rkey, uint64_t off, uint64_t operand, uint64_t compare,
                              uint64_t* old) {
   Context::RmaArgs a;
   a.op = op;
@@ -270,7 +280,7 @@ Context::RmaArgs atomic_args(Context::Rma op, hcomm_rkey_t* rkey, uint64_t off, 
 hcomm_status_t rma_blocking(hcomm_context_t* c, const Context::RmaArgs& a, int timeout_ms) {
   CTX_OR_FAIL(c);
   if (a.notify_rkey == reinterpret_cast<hcomm_rkey_t*>(1)) return fail(HCOMM_ERR_INVALID, "null notify key");
-  if (!ctx.npu()) return ret(ctx.rma(a, nullptr));  // host engine: complete at the target on return
+  if (ctx.rma_sync(a)) return ret(ctx.rma(a, nullptr));  // synchronous lane: complete at the target on return
   std::shared_ptr<Request> r;
   Status st = ctx.rma(a, &r);
   return run_blocking(ctx, st, r, timeout_ms);
@@ -307,11 +317,11 @@ hcomm_status_t hcomm_put_notify(hcomm_context_t* c, const void* local, size_t le
 }
 hcomm_status_t hcomm_fetch_add(hcomm_context_t* c, hcomm_rkey_t* rkey, uint64_t off, uint64_t add, uint64_t* old,
                                int timeout_ms) {
-  return rma_blocking(c, atomic_args(Context::Rma::fetch_add, rkey, off, add, 0, old), timeout_ms);
+  return rma_blocking(c, atomic_args(hcomm::api::Rma::fetch_add, rkey, off, add, 0, old), timeout_ms);
 }
 hcomm_status_t hcomm_compare_swap(hcomm_context_t* c, hcomm_rkey_t* rkey, uint64_t off, uint64_t compare,
                                   uint64_t swap, uint64_t* old, int timeout_ms) {
-  return rma_blocking(c, atomic_args(Context::Rma::cswap, rkey, off, swap, compare, old), timeout_ms);
+  return rma_blocking(c, atomic_args(hcomm::api::Rma::cswap, rkey, off, swap, compare, old), timeout_ms);
 }
 hcomm_status_t hcomm_iput(hcomm_context_t* c, const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off,
                           hcomm_request_t** req) {
@@ -334,11 +344,11 @@ hcomm_status_t hcomm_iput_notify(hcomm_context_t* c, const void* local, size_t l
 }
 hcomm_status_t hcomm_ifetch_add(hcomm_context_t* c, hcomm_rkey_t* rkey, uint64_t off, uint64_t add, uint64_t* old,
                                 hcomm_request_t** req) {
-  return rma_nb(c, atomic_args(Context::Rma::fetch_add, rkey, off, add, 0, old), req);
+  return rma_nb(c, atomic_args(hcomm::api::Rma::fetch_add, rkey, off, add, 0, old), req);
 }
 hcomm_status_t hcomm_icompare_swap(hcomm_context_t* c, hcomm_rkey_t* rkey, uint64_t off, uint64_t compare,
                                    uint64_t swap, uint64_t* old, hcomm_request_t** req) {
-  return rma_nb(c, atomic_args(Context::Rma::cswap, rkey, off, swap, compare, old), req);
+  return rma_nb(c, atomic_args(hcomm::api::Rma::cswap, rkey, off, swap, compare, old), req);
 }
 
 hcomm_status_t hcomm_notify_wait(hcomm_context_t* c, hcomm_mem_t* mem, uint64_t off, uint64_t value, int timeout_ms) {

@@ -23,7 +23,7 @@ extern "C" {
 #endif
 
 #define HCOMM_API_VERSION_MAJOR 0
-#define HCOMM_API_VERSION_MINOR 1
+#define HCOMM_API_VERSION_MINOR 2
 #define HCOMM_API_VERSION ((HCOMM_API_VERSION_MAJOR << 16) | HCOMM_API_VERSION_MINOR)
 
 /* The library's version (major << 16 | minor). */
@@ -63,6 +63,21 @@ typedef enum hcomm_engine {
   HCOMM_ENGINE_NPU = 2,  /* the NPU's DMA engines (hcomm-sim or a VFIO device) */
 } hcomm_engine_t;
 
+/* A key-value store the job already has (torch's c10d store, a PMIx server, ...). With it,
+ * hcomm_init starts from config.rank / config.size and exchanges its bootstrap data through the
+ * store instead of opening a rendezvous listener of its own. Keys are NUL-terminated strings that
+ * hcomm prefixes with "hcomm/"; values are at most 64 KiB. Both callbacks may be called from any
+ * thread that calls into the context, never concurrently. */
+typedef struct hcomm_kv_store {
+  void* arg;
+  /* Stores value under key (replacing). Returns 0 on success. */
+  int (*set)(void* arg, const char* key, const void* value, size_t len);
+  /* Waits at most timeout_ms until key exists, then copies min(len, cap) bytes of its value into
+   * value and stores the full length in *len. Returns 0 on success, 1 if the key did not appear
+   * within timeout_ms, any other value on failure. */
+  int (*get)(void* arg, const char* key, void* value, size_t cap, size_t* len, int timeout_ms);
+} hcomm_kv_store_t;
+
 typedef struct hcomm_config {
   size_t struct_size;       /* sizeof(hcomm_config_t) */
   hcomm_engine_t engine;
@@ -70,6 +85,14 @@ typedef struct hcomm_config {
   const char* device;       /* NPU engine: "sim:N" or a PCI address; NULL = sim:<local rank> */
   int peer_check_ms;        /* how often progress polls peers for failure (default 1; env HCOMM_PEER_CHECK_MS);
                                a peer that exits fails its requests within about this long */
+  /* --- API 0.2 --- */
+  int rank;                 /* with size > 0 and store: this process's rank (default -1: from the environment) */
+  int size;                 /* world size (default 0: from the environment) */
+  int local_rank;           /* rank among the job's processes on this host (default -1: from the environment, else 0) */
+  const hcomm_kv_store_t* store; /* with rank/size: bootstrap through this store (copied; must outlive hcomm_init) */
+  const char* job_id;       /* with store: names the job (ranks of one job pass the same; default: derived from the store) */
+  const char* transports;   /* comma-separated transports allowed, e.g. "verbs" or "shm,cma"; a forced transport is
+                               never silently replaced. NULL: env HCOMM_TRANSPORTS, else all that are present */
 } hcomm_config_t;
 
 void hcomm_config_init(hcomm_config_t* config);
@@ -86,6 +109,9 @@ int hcomm_rank(const hcomm_context_t* ctx);
 int hcomm_size(const hcomm_context_t* ctx);
 /* "host" or "npu" */
 const char* hcomm_engine_name(const hcomm_context_t* ctx);
+/* The transports serving `peer`, comma-separated, messaging transport first: e.g. "shm,cma" (same
+ * host, host engine), "shm,npu", "verbs", "self" for this rank. NULL for a rank outside the job. */
+const char* hcomm_peer_transport(const hcomm_context_t* ctx, int peer);
 /* Collective barrier. */
 hcomm_status_t hcomm_barrier(hcomm_context_t* ctx, int timeout_ms);
 

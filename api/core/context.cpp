@@ -1,0 +1,443 @@
+// The context: bootstrap, peers, transports and lanes, progress, failure.
+#include "api/core/context.h"
+
+#include <poll.h>
+#include <sched.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "api/transport/cma/cma.h"
+#include "api/transport/npu/npu.h"
+#include "api/transport/shm/shm.h"
+#include "api/wireup/mesh.h"
+#include "common/barrier.h"
+#include "common/paths.h"
+
+namespace hcomm::api {
+
+namespace {
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  for (size_t pos = 0; pos <= s.size();) {
+    size_t c = s.find(sep, pos);
+    if (c == std::string::npos) c = s.size();
+    out.push_back(s.substr(pos, c - pos));
+    pos = c + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+const char* transport_name(TransportId id) {
+  switch (id) {
+    case TransportId::shm: return "shm";
+    case TransportId::cma: return "cma";
+    case TransportId::npu: return "npu";
+    case TransportId::verbs: return "verbs";
+  }
+  return "?";
+}
+
+hcomm_status_t to_hcomm(Code c) {
+  switch (c) {
+    case Code::ok: return HCOMM_OK;
+    case Code::in_progress: return HCOMM_IN_PROGRESS;
+    case Code::no_resource: return HCOMM_ERR_NO_RESOURCE;
+    case Code::invalid_argument: return HCOMM_ERR_INVALID;
+    case Code::not_found: return HCOMM_ERR_NOT_FOUND;
+    case Code::io_error: return HCOMM_ERR_IO;
+    case Code::protocol_error: return HCOMM_ERR_PROTOCOL;
+    case Code::timeout: return HCOMM_ERR_TIMEOUT;
+    case Code::device_error: return HCOMM_ERR_DEVICE;
+    case Code::access_denied: return HCOMM_ERR_ACCESS;
+    case Code::out_of_range: return HCOMM_ERR_OUT_OF_RANGE;
+    case Code::unsupported: return HCOMM_ERR_UNSUPPORTED;
+    case Code::peer_failure: return HCOMM_ERR_PEER_FAILURE;
+    case Code::closed: return HCOMM_ERR_CLOSED;
+  }
+  return HCOMM_ERR_IO;
+}
+
+Code from_hcomm(hcomm_status_t s) {
+  switch (s) {
+    case HCOMM_OK: return Code::ok;
+    case HCOMM_IN_PROGRESS: return Code::in_progress;
+    case HCOMM_ERR_NO_RESOURCE: return Code::no_resource;
+    case HCOMM_ERR_INVALID: return Code::invalid_argument;
+    case HCOMM_ERR_NOT_FOUND: return Code::not_found;
+    case HCOMM_ERR_PROTOCOL: return Code::protocol_error;
+    case HCOMM_ERR_TIMEOUT: return Code::timeout;
+    case HCOMM_ERR_DEVICE: return Code::device_error;
+    case HCOMM_ERR_ACCESS: return Code::access_denied;
+    case HCOMM_ERR_OUT_OF_RANGE: return Code::out_of_range;
+    case HCOMM_ERR_UNSUPPORTED: return Code::unsupported;
+    case HCOMM_ERR_PEER_FAILURE: return Code::peer_failure;
+    case HCOMM_ERR_CLOSED: return Code::closed;
+    default: return Code::io_error;
+  }
+}
+
+Status Context::create(const hcomm_config_t& cfg, std::unique_ptr<Context>* out) {
+  std::unique_ptr<Context> c(new Context());
+  HCOMM_TRY(c->init(cfg));
+  *out = std::move(c);
+  return Status::ok();
+}
+
+Status Context::init(const hcomm_config_t& cfg) {
+  LaunchInfo li;
+  HCOMM_TRY(detect_launch(&li));
+  // Every peer's hcomm_mem_alloc hands us one memfd: lift the soft fd limit
+  // to the hard one so a few thousand registrations across ranks fit.
+  if (rlimit rl{}; ::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = rl.rlim_max;
+    (void)::setrlimit(RLIMIT_NOFILE, &rl);
+  }
+  const int timeout_ms = cfg.bootstrap_timeout_ms > 0 ? cfg.bootstrap_timeout_ms : 30000;
+  _peer_check = std::chrono::milliseconds(cfg.peer_check_ms > 0 ? cfg.peer_check_ms : 1);
+  if (const char* e = std::getenv("HCOMM_PEER_CHECK_MS"); e != nullptr && *e != '\0') {
+    char* end = nullptr;
+    long v = std::strtol(e, &end, 10);
+    if (*end != '\0' || v < 1 || v > 60000)
+      return Status::error(Code::invalid_argument, "HCOMM_PEER_CHECK_MS='%s': use 1..60000", e);
+    _peer_check = std::chrono::milliseconds(v);
+  }
+  HCOMM_TRY(Bootstrap::create(li, timeout_ms, &_boot));
+  _rank = _boot->rank();
+  _size = _boot->size();
+  _local_rank = li.local_rank;
+  _job_hash = fnv1a(_boot->job_id() + "/" + std::to_string(_size));
+  Deadline dl = Deadline::after_ms(timeout_ms);
+
+  std::vector<UniqueFd> socks;
+  HCOMM_TRY(connect_mesh(*_boot, dl, &socks));
+  _peers.resize(static_cast<size_t>(_size));
+  for (int r = 0; r < _size; ++r) {
+    _peers[static_cast<size_t>(r)].rank = r;
+    if (r != _rank) _peers[static_cast<size_t>(r)].sock = std::move(socks[static_cast<size_t>(r)]);
+  }
+  _mems.assign(kMaxRegs, nullptr);
+  _slot_gen.assign(kMaxRegs, 0);
+  HCOMM_TRY(open_transports(cfg, li, dl));
+  // Every rank's transports are wired up before anyone sends: a barrier, so
+  // the first message never meets a half-built peer.
+  return _boot->barrier(dl);
+}
+
+// Which transports this context opens, and in what order of preference:
+//   shm (messaging; RMA on hcomm memory), npu (RMA on everything its device
+//   maps, when the NPU engine runs), cma (RMA on registered user memory, and
+//   rendezvous from unregistered buffers).
+// HCOMM_TRANSPORTS / hcomm_config_t.transports restricts the set; a named
+// transport that cannot open or cannot serve a peer fails init, never
+// silently replaced.
+Status Context::open_transports(const hcomm_config_t& cfg, const LaunchInfo& li, const Deadline& dl) {
+  std::vector<std::string> forced;
+  std::string list = cfg.transports != nullptr ? cfg.transports : "";
+  const char* list_src = "hcomm_config_t.transports";
+  if (list.empty()) {
+    if (const char* e = std::getenv("HCOMM_TRANSPORTS"); e != nullptr && *e != '\0') {
+      list = e;
+      list_src = "HCOMM_TRANSPORTS";
+    }
+  }
+  bool allow[kTransportKinds] = {false, true, true, true, true};
+  if (!list.empty()) {
+    for (bool& a : allow) a = false;
+    for (const std::string& n : split(list, ',')) {
+      bool known = false;
+      for (int id = 1; id < kTransportKinds; ++id) {
+        if (n == transport_name(static_cast<TransportId>(id))) {
+          allow[id] = true;
+          known = true;
+        }
+      }
+      if (!known)
+        return Status::error(Code::invalid_argument, "%s='%s': unknown transport '%s' (use shm, cma, npu, verbs)",
+                             list_src, list.c_str(), n.c_str());
+      forced.push_back(n);
+    }
+  }
+  auto allowed = [&](TransportId id) { return allow[static_cast<int>(id)]; };
+
+  // Engine choice: explicit config, then HCOMM_ENGINE, then a reachable NPU
+  // (or npu named in the transport list).
+  const bool forced_npu = !list.empty() && allowed(TransportId::npu);
+  hcomm_engine_t engine = cfg.engine;
+  if (engine == HCOMM_ENGINE_AUTO) {
+    if (const char* e = std::getenv("HCOMM_ENGINE"); e != nullptr && *e != '\0') {
+      std::string v = e;
+      if (v == "host") engine = HCOMM_ENGINE_HOST;
+      else if (v == "npu") engine = HCOMM_ENGINE_NPU;
+      else if (v != "auto")
+        return Status::error(Code::invalid_argument, "HCOMM_ENGINE='%s': use host, npu or auto", e);
+    }
+  }
+  if (engine == HCOMM_ENGINE_HOST && forced_npu)
+    return Status::error(Code::invalid_argument, "%s='%s' names npu, but the host engine was asked for", list_src,
+                         list.c_str());
+  if (engine == HCOMM_ENGINE_NPU && !allowed(TransportId::npu))
+    return Status::error(Code::invalid_argument, "the NPU engine needs transport npu, which %s='%s' leaves out",
+                         list_src, list.c_str());
+  if (engine == HCOMM_ENGINE_AUTO) {
+    std::string dev = cfg.device != nullptr ? cfg.device : "";
+    bool have = !dev.empty() || ::access(sim_socket_path(default_sim_dir(), _local_rank).c_str(), F_OK) == 0;
+    engine = forced_npu || (have && allowed(TransportId::npu)) ? HCOMM_ENGINE_NPU : HCOMM_ENGINE_HOST;
+  }
+
+  // Same-host transports ride on shm's node registry (control segments).
+  bool any_same_host = true;  // every peer shares this host until the mesh says otherwise
+  if (allowed(TransportId::shm) || allowed(TransportId::cma) || engine == HCOMM_ENGINE_NPU) {
+    if (!allowed(TransportId::shm) && any_same_host)
+      return Status::error(Code::invalid_argument,
+                           "%s='%s': cma and npu need shm (its control segments validate their keys and carry "
+                           "their messages)", list_src, list.c_str());
+    std::unique_ptr<ShmTransport> shm;
+    HCOMM_TRY(ShmTransport::open(*this, *this, &shm));
+    _shm = shm.get();
+    HCOMM_TRY(_shm->connect(dl));
+    if (engine == HCOMM_ENGINE_NPU) {
+      std::string name = cfg.device != nullptr ? cfg.device : "";
+      if (name.empty()) {
+        if (const char* d = std::getenv("HCOMM_DEVICE"); d != nullptr && *d != '\0') {
+          // One name, or a comma-separated list indexed by local rank (a
+          // job's ranks on one host share the environment).
+          std::vector<std::string> names = split(d, ',');
+          if (names.size() == 1) {
+            name = names[0];
+          } else if (li.local_rank < static_cast<int>(names.size()) && !names[static_cast<size_t>(li.local_rank)].empty()) {
+            name = names[static_cast<size_t>(li.local_rank)];
+          } else {
+            return Status::error(Code::invalid_argument, "HCOMM_DEVICE='%s' names no device for local rank %d", d,
+                                 li.local_rank);
+          }
+        } else {
+          name = "sim:" + std::to_string(li.local_rank);
+        }
+      }
+      std::unique_ptr<NpuTransport> npu;
+      HCOMM_TRY(NpuTransport::open(name, _rank, *_shm, &npu));
+      _npu = npu.get();
+      _shm->messaging_only();  // every one-sided operation goes through the device
+      _transports.push_back(std::move(shm));
+      _transports.push_back(std::move(npu));
+    } else {
+      _transports.push_back(std::move(shm));
+    }
+    if (allowed(TransportId::cma)) _transports.push_back(std::make_unique<CmaTransport>(_rank, *_shm));
+  }
+  if (allowed(TransportId::verbs) && std::find(forced.begin(), forced.end(), "verbs") != forced.end())
+    return Status::error(Code::unsupported, "%s names verbs: this build has no verbs transport yet", list_src);
+  return choose_lanes(forced);
+}
+
+// Per peer: the first transport that carries messages and reaches it, and
+// every transport with RMA that reaches it, in order of preference.
+Status Context::choose_lanes(const std::vector<std::string>& forced) {
+  for (Peer& p : _peers) {
+    p.am = nullptr;
+    p.rma.clear();
+    p.lanes.clear();
+    for (auto& t : _transports) {
+      if (!t->reaches(p.rank, p.same_host)) continue;
+      if (p.am == nullptr && t->caps().max_short > 0) p.am = t.get();
+      if (t->caps().put || t->caps().get) p.rma.push_back(t.get());
+    }
+    if (p.am == nullptr && p.rank != _rank) {
+      std::string names;
+      for (const std::string& n : forced) names += (names.empty() ? "" : ",") + n;
+      return Status::error(Code::unsupported, "no transport%s%s carries messages to rank %d (%s host)",
+                           names.empty() ? "" : " of ", names.c_str(), p.rank,
+                           p.same_host ? "same" : "another");
+    }
+    if (p.am != nullptr) p.lanes = p.am->name();
+    for (Transport* t : p.rma)
+      if (t != p.am) p.lanes += std::string(p.lanes.empty() ? "" : ",") + t->name();
+  }
+  return Status::ok();
+}
+
+const char* Context::peer_transport(int peer) const {
+  if (peer < 0 || peer >= _size) return nullptr;
+  return _peers[static_cast<size_t>(peer)].lanes.c_str();
+}
+
+Context::~Context() {
+  for (auto& [key, k] : _rndv_keys) (void)rkey_release(k);
+  _rndv_keys.clear();
+  for (hcomm_mem* m : _mems) {
+    if (m == nullptr) continue;
+    for (auto it = _transports.rbegin(); it != _transports.rend(); ++it) (*it)->mem_remove(*m);
+    delete m;
+  }
+  // Transports built on others (npu and cma on shm) go first.
+  while (!_transports.empty()) _transports.pop_back();
+}
+
+// Control messages we owe peers (FINs that found no room) must go out
+// before we block in a collective that makes no progress: a peer's send may
+// be waiting on exactly that FIN.
+void Context::flush_owed(const Deadline& dl) {
+  while (!_fin_backlog.empty() && !dl.expired()) {
+    progress();
+    if (!_fin_backlog.empty()) cpu_relax();
+  }
+}
+
+Status Context::barrier(const Deadline& dl) {
+  if (_finalized) return Status::error(Code::closed, "context finalized");
+  flush_owed(dl);
+  return _boot->barrier(dl);
+}
+
+Status Context::finalize(const Deadline& dl) {
+  if (_finalized) return Status::error(Code::closed, "context finalized twice");
+  // Let our outstanding operations finish, then meet the others.
+  Status st = flush(-1, dl);
+  flush_owed(dl);
+  Status b = _boot->barrier(dl);
+  _finalized = true;
+  return st ? b : st;
+}
+
+// ---- peers: liveness and the control plane ------------------------------------------
+
+void Context::drain_socket(Peer& p) {
+  while (p.alive) {
+    std::vector<uint8_t> buf;
+    std::vector<UniqueFd> fds;
+    Status st = recv_msg(p.sock.get(), &buf, &fds, Deadline(std::chrono::nanoseconds(0)), p.rank);
+    if (st.code() == Code::timeout) return;
+    if (!st) return peer_failed(p, st.message());
+    CtrlMsg m{};
+    if (buf.size() != sizeof m) return peer_failed(p, "malformed control message");
+    std::memcpy(&m, buf.data(), sizeof m);
+    if (m.type == static_cast<uint32_t>(CtrlType::advert) && fds.size() == 1 && m.slot < kMaxRegs &&
+        _shm != nullptr) {
+      _shm->on_advert(p.rank, m.slot, m.gen, std::move(fds[0]));
+    } else {
+      return peer_failed(p, "unexpected control message type " + std::to_string(m.type));
+    }
+  }
+}
+
+Status Context::pump_control(Peer& p, const Deadline& dl) {
+  pollfd pf{p.sock.get(), POLLIN, 0};
+  if (::poll(&pf, 1, dl.remaining_ms()) > 0) {
+    drain_socket(p);
+    if (p.alive && (pf.revents & (POLLHUP | POLLERR))) peer_failed(p, "connection closed");
+  }
+  return Status::ok();
+}
+
+void Context::check_peers(bool force) {
+  // Reading the clock costs ~40 ns here: look at it every 64th progress call.
+  if (!force && (++_progress_calls & 63) != 0) return;
+  auto now = Clock::now();
+  if (!force && now - _last_check < _peer_check) return;
+  _last_check = now;
+  std::vector<pollfd> pfds;
+  std::vector<Peer*> who;
+  for (Peer& p : _peers) {
+    if (p.rank == _rank || !p.alive) continue;
+    pfds.push_back({p.sock.get(), POLLIN, 0});
+    who.push_back(&p);
+  }
+  if (pfds.empty() || ::poll(pfds.data(), pfds.size(), 0) <= 0) return;
+  for (size_t i = 0; i < pfds.size(); ++i) {
+    if (pfds[i].revents & POLLIN) drain_socket(*who[i]);
+    if (who[i]->alive && (pfds[i].revents & (POLLHUP | POLLERR)))
+      peer_failed(*who[i], "connection closed (process exited or was killed)");
+  }
+}
+
+void Context::peer_failed(Peer& p, const std::string& why) {
+  if (!p.alive) return;
+  p.alive = false;
+  p.why_dead = "rank " + std::to_string(p.rank) + ": " + why;
+  for (auto& t : _transports) t->peer_failed(p.rank, p.why_dead);
+  for (auto& r : p.backlog) r->complete(HCOMM_ERR_PEER_FAILURE, p.why_dead);
+  p.backlog.clear();
+  for (auto it = _pending_sends.begin(); it != _pending_sends.end();) {
+    if (it->second->peer == p.rank) {
+      it->second->complete(HCOMM_ERR_PEER_FAILURE, p.why_dead);
+      it = _pending_sends.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  bool anyone = false;
+  for (const Peer& q : _peers) anyone |= q.rank != _rank && q.alive;
+  for (auto it = _posted.begin(); it != _posted.end();) {
+    if ((*it)->peer == p.rank || ((*it)->peer == HCOMM_ANY_SOURCE && !anyone)) {
+      (*it)->complete(HCOMM_ERR_PEER_FAILURE, p.why_dead);
+      it = _posted.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+// ---- progress ------------------------------------------------------------------------------
+
+void Context::progress() {
+  for (auto& t : _transports) t->progress();
+  for (Peer& p : _peers) {
+    if (p.rank == _rank || !p.alive) continue;
+    while (!p.backlog.empty() && try_send(p, p.backlog.front())) p.backlog.pop_front();
+  }
+  while (!_fin_backlog.empty()) {
+    auto& [peer, h] = _fin_backlog.front();
+    if (!_peers[static_cast<size_t>(peer)].alive) {
+      _fin_backlog.pop_front();
+      continue;
+    }
+    if (!post_fin(_peers[static_cast<size_t>(peer)], h.sreq, static_cast<hcomm_status_t>(h.status))) break;
+    _fin_backlog.pop_front();
+  }
+  check_peers(false);
+}
+
+// Callers hold _mu. Three phases, by time waited (the clock is read every
+// 64 rounds, not every round): spin on progress for 50 us (microsecond
+// latencies), then yield the CPU between rounds up to 2 ms (on a busy
+// machine the peer needs our core), then nap 50 us with the lock released.
+bool Context::spin_wait(const std::function<bool()>& done, bool progress_each_round, const Deadline& dl) {
+  if (done()) return true;
+  const Clock::time_point start = Clock::now();
+  for (uint32_t round = 1;; ++round) {
+    if (progress_each_round || (round & 63) == 0) progress();
+    if (done()) return true;
+    if ((round & 63) != 0) {
+      cpu_relax();
+      continue;
+    }
+    const Clock::time_point now = Clock::now();
+    if (now >= dl.at()) return false;
+    const auto waited = now - start;
+    if (waited < std::chrono::microseconds(50)) continue;
+    _mu.unlock();
+    if (waited < std::chrono::milliseconds(2)) sched_yield();
+    else std::this_thread::sleep_for(std::chrono::microseconds(50));
+    _mu.lock();
+  }
+}
+
+Status Context::wait(Request& r, const Deadline& dl) {
+  if (spin_wait([&] { return r.done(); }, true, dl)) return Status::ok();
+  return Status::error(Code::timeout, "request still in progress at the deadline");
+}
+
+}  // namespace hcomm::api

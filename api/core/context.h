@@ -1,0 +1,225 @@
+// The context: what the user asked for, above the transport seam.
+//
+// It owns the bootstrap, the peers (liveness, the per-peer control socket of
+// api/wireup/mesh.h), the transports opened for this job, the registrations
+// and the requests. Per peer it picks a messaging lane and RMA lanes
+// (api/transport/transport.h); the protocols, written once over that seam,
+// are in api/proto (tag matching, eager and rendezvous: tag.cpp; one-sided:
+// rma.cpp) and api/mem (registrations and packed keys: memory.cpp).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "api/include/hcomm/hcomm.h"
+#include "api/mem/memory.h"
+#include "api/transport/transport.h"
+#include "api/wireup/bootstrap.h"
+#include "common/fd.h"
+#include "common/status.h"
+#include "common/time.h"
+
+namespace hcomm::api {
+
+class ShmTransport;
+class NpuTransport;
+
+hcomm_status_t to_hcomm(Code c);
+Code from_hcomm(hcomm_status_t s);
+
+// ---- requests ---------------------------------------------------------------------------
+struct Request {
+  enum class Kind { send, recv, rma };
+  Kind kind = Kind::rma;
+  hcomm_status_t status = HCOMM_IN_PROGRESS;
+  std::string error;  // detail for a failure
+  int peer = -1;
+  uint64_t id = 0;
+  // send
+  const uint8_t* sbuf = nullptr;
+  size_t slen = 0;
+  uint64_t tag = 0;
+  // recv
+  uint8_t* rbuf = nullptr;
+  size_t rlen = 0;
+  uint64_t tag_mask = 0;
+  hcomm_recv_info_t info{-1, 0, 0};
+  // rma on an asynchronous lane: operations still outstanding; fetch result
+  uint32_t outstanding = 0;
+  uint64_t* result_out = nullptr;
+  uint32_t result_slot = UINT32_MAX;
+  bool done() const { return status != HCOMM_IN_PROGRESS; }
+  void complete(hcomm_status_t st, const std::string& why = "") {
+    if (done()) return;
+    status = st;
+    error = why;
+  }
+};
+
+// A message that arrived before its receive was posted.
+struct Unexpected {
+  int source;
+  MsgHdr hdr;
+  std::vector<uint8_t> payload;  // eager only
+};
+
+struct Peer {
+  int rank = -1;
+  bool alive = true;
+  bool same_host = true;
+  std::string why_dead;
+  UniqueFd sock;  // control socket (api/wireup/mesh.h): wire-up, adverts, liveness
+  Transport* am = nullptr;          // messaging lane
+  std::vector<Transport*> rma;      // RMA lanes, preferred first
+  std::string lanes;                // "shm,cma": what hcomm_peer_transport reports
+  std::deque<std::shared_ptr<Request>> backlog;  // sends waiting for room on the messaging lane
+};
+
+// Control-socket messages (same host: AF_UNIX with fds).
+enum class CtrlType : uint32_t { segments = 1, advert = 2 };
+struct CtrlMsg {
+  uint32_t type;  // CtrlType
+  int32_t rank;
+  int32_t pid;
+  uint32_t slot;  // advert
+  uint32_t gen;   // advert
+  uint32_t nfds;
+};
+static_assert(sizeof(CtrlMsg) == 24);
+
+class Context final : public AmSink {
+ public:
+  static Status create(const hcomm_config_t& cfg, std::unique_ptr<Context>* out);
+  ~Context() override;
+
+  int rank() const { return _rank; }
+  int size() const { return _size; }
+  bool npu() const { return _npu != nullptr; }
+  const char* engine_name() const { return npu() ? "npu" : "host"; }
+  const char* peer_transport(int peer) const;
+  std::mutex& mu() { return _mu; }
+  uint64_t job_hash() const { return _job_hash; }
+  Peer& peer(int r) { return _peers[static_cast<size_t>(r)]; }
+
+  Status barrier(const Deadline& dl);
+  Status finalize(const Deadline& dl);
+
+  // memory (api/mem/memory.cpp)
+  Status mem_alloc(size_t size, unsigned kind, unsigned access, hcomm_mem** out);
+  Status mem_register(void* addr, size_t size, unsigned access, hcomm_mem** out);
+  Status mem_release(hcomm_mem* m);
+  Status rkey_pack(const hcomm_mem* m, void* buf, size_t* len) const;
+  Status rkey_import(int peer, const void* buf, size_t len, hcomm_rkey** out);
+  Status rkey_release(hcomm_rkey* k);
+  hcomm_mem* mem_at_slot(uint32_t slot) const { return slot < _mems.size() ? _mems[slot] : nullptr; }
+  const hcomm_mem* find_local(const void* p, size_t len) const;
+
+  // one-sided (api/proto/rma.cpp); returns a request (maybe already
+  // complete). out == nullptr: the caller blocks; on a synchronous lane the
+  // operation then runs without a request and is complete when this returns.
+  struct RmaArgs {
+    Rma op = Rma::put;
+    uint8_t* local = nullptr;
+    size_t len = 0;  // bytes
+    hcomm_rkey* rkey = nullptr;
+    uint64_t roff = 0;
+    hcomm_dtype_t dtype = HCOMM_INT8;
+    hcomm_op_t redop = HCOMM_SUM;
+    uint64_t operand = 0, compare = 0;
+    uint64_t* old_value = nullptr;
+    hcomm_rkey* notify_rkey = nullptr;  // put_notify
+    uint64_t notify_off = 0;
+    uint64_t notify_value = 0;
+  };
+  Status rma(const RmaArgs& a, std::shared_ptr<Request>* out);
+  // Whether a blocking call of a on its key's lane completes inside rma().
+  bool rma_sync(const RmaArgs& a) const;
+  Status notify_wait(hcomm_mem* m, uint64_t off, uint64_t value, const Deadline& dl);
+  Status flush(int peer, const Deadline& dl);
+  void fence() { _fence_next = true; }
+
+  // two-sided (api/proto/tag.cpp)
+  Status isend(int dest, const void* buf, size_t len, uint64_t tag, std::shared_ptr<Request>* out);
+  Status irecv(int source, void* buf, size_t len, uint64_t tag, uint64_t mask, std::shared_ptr<Request>* out);
+  Status probe(int source, uint64_t tag, uint64_t mask, bool* found, hcomm_recv_info_t* info);
+
+  // progress
+  void progress();
+  Status wait(Request& r, const Deadline& dl);
+  uint64_t next_id() { return _next_id++; }
+
+  // AmSink
+  void on_am(int peer, const MsgHdr& h, const uint8_t* payload) override;
+  void on_peer_failed(int peer, const std::string& why) override { peer_failed(_peers[peer], why); }
+
+  // Waits (bounded) for control messages from `peer` and dispatches them;
+  // used by transports that wait for a peer's wire-up data.
+  Status pump_control(Peer& p, const Deadline& dl);
+
+ private:
+  Context() = default;
+  Status init(const hcomm_config_t& cfg);
+  Status add_mem(std::unique_ptr<hcomm_mem> m, hcomm_mem** out);
+  Status open_transports(const hcomm_config_t& cfg, const LaunchInfo& li, const Deadline& dl);
+  Status choose_lanes(const std::vector<std::string>& forced);
+  void drain_socket(Peer& p);
+  void check_peers(bool force);
+  void peer_failed(Peer& p, const std::string& why);
+  Status check_key(hcomm_rkey* k, uint64_t off, uint64_t len, unsigned need) const;
+  // Waits until done() with progress; false at the deadline. Releases _mu while napping.
+  bool spin_wait(const std::function<bool()>& done, bool progress_each_round, const Deadline& dl);
+  void flush_owed(const Deadline& dl);
+
+  // two-sided internals (api/proto/tag.cpp)
+  bool try_send(Peer& p, const std::shared_ptr<Request>& r);
+  hcomm_rkey* rendezvous_key(int source, uint32_t slot, uint32_t gen);
+  std::shared_ptr<Request> take_posted(int source, uint64_t tag);
+  void deliver(Request& r, int source, const MsgHdr& h, const uint8_t* payload);
+  void pull(Request& r, int source, const MsgHdr& h);
+  bool post_fin(Peer& p, uint64_t sreq, hcomm_status_t st);
+
+  std::mutex _mu;
+  int _rank = 0, _size = 1, _local_rank = 0;
+  uint64_t _job_hash = 0;
+  std::unique_ptr<Bootstrap> _boot;
+  std::vector<Peer> _peers;
+  // transports, in the order of preference; _shm/_npu: typed views of two of them
+  std::vector<std::unique_ptr<Transport>> _transports;
+  ShmTransport* _shm = nullptr;
+  NpuTransport* _npu = nullptr;
+  // registrations
+  std::vector<hcomm_mem*> _mems;              // by slot
+  std::vector<uint32_t> _slot_gen;            // generation per slot: odd while registered
+  std::map<uintptr_t, hcomm_mem*> _by_addr;   // CPU-visible registrations by start address
+  // requests
+  uint64_t _next_id = 1;
+  std::map<uint64_t, std::shared_ptr<Request>> _pending_sends;  // rendezvous awaiting FIN
+  std::list<std::shared_ptr<Request>> _posted;                   // receives
+  std::list<Unexpected> _unexpected;
+  std::deque<std::pair<int, MsgHdr>> _fin_backlog;               // FINs waiting for room
+  std::map<uint64_t, hcomm_rkey*> _rndv_keys;                    // (peer << 32 | slot) -> cached import
+  Clock::time_point _last_check{};
+  std::chrono::milliseconds _peer_check{1};
+  uint32_t _progress_calls = 0;
+  bool _fence_next = false;
+  bool _finalized = false;
+};
+
+}  // namespace hcomm::api
+
+// The C handle of a request: shares the request with the context.
+struct hcomm_request {
+  hcomm::api::Context* ctx = nullptr;
+  std::shared_ptr<hcomm::api::Request> r;
+};
+struct hcomm_context {
+  std::unique_ptr<hcomm::api::Context> impl;
+};

@@ -1,0 +1,134 @@
+// One-sided operations: put, get, accumulate, put-with-notify, fetch atomics,
+// flush and fence, written once over the lanes (api/transport/transport.h).
+// The target takes no part in any of them. Every access is checked here
+// (bounds, rights, the lane's own validity check, peer liveness) before the
+// key's lane moves a byte.
+#include <cstring>
+
+#include "api/core/context.h"
+#include "hal/abi/reduce.h"
+
+namespace hcomm::api {
+
+namespace abi = hal::abi;
+
+bool Context::rma_sync(const RmaArgs& a) const {
+  return a.rkey != nullptr && a.rkey->ctx == this && a.rkey->lane != nullptr && a.rkey->lane->caps().sync &&
+         (a.notify_rkey == nullptr ||
+          (a.notify_rkey->ctx == this && a.notify_rkey->lane != nullptr && a.notify_rkey->lane->caps().sync));
+}
+
+Status Context::rma(const RmaArgs& a, std::shared_ptr<Request>* out) {
+  unsigned need = 0;
+  switch (a.op) {
+    case Rma::put: need = HCOMM_ACCESS_REMOTE_WRITE; break;
+    case Rma::get: need = HCOMM_ACCESS_REMOTE_READ; break;
+    case Rma::acc: need = HCOMM_ACCESS_REMOTE_READ | HCOMM_ACCESS_REMOTE_WRITE; break;
+    case Rma::fetch_add:
+    case Rma::cswap: need = HCOMM_ACCESS_REMOTE_ATOMIC; break;
+    case Rma::notify: return Status::error(Code::invalid_argument, "notify is part of put_notify");
+  }
+  const bool atomic = a.op == Rma::fetch_add || a.op == Rma::cswap;
+  const size_t len = atomic ? 8 : a.len;
+  if (!atomic && (a.local == nullptr || len == 0))
+    return Status::error(Code::invalid_argument, "null local buffer or zero length");
+  if (atomic && a.old_value == nullptr) return Status::error(Code::invalid_argument, "null old_value");
+  if (atomic && a.roff % 8 != 0)
+    return Status::error(Code::invalid_argument, "atomic offset %lu not 8-byte aligned",
+                         static_cast<unsigned long>(a.roff));
+  if (a.op == Rma::acc) {
+    if (a.dtype > HCOMM_FP64 || a.redop > HCOMM_MIN) return Status::error(Code::invalid_argument, "unknown dtype or op");
+    size_t es = abi::dtype_size(static_cast<abi::DType>(a.dtype));
+    if (a.roff % es != 0)
+      return Status::error(Code::invalid_argument, "accumulate offset not a multiple of the element size");
+  }
+  HCOMM_TRY(check_key(a.rkey, a.roff, len, need));
+  Transport* lane = a.rkey->lane;
+  Transport* nlane = nullptr;
+  if (a.notify_rkey != nullptr) {
+    HCOMM_TRY(check_key(a.notify_rkey, a.notify_off, 8, HCOMM_ACCESS_REMOTE_WRITE));
+    if (a.notify_off % 8 != 0) return Status::error(Code::invalid_argument, "notify offset not 8-byte aligned");
+    if (a.notify_rkey->peer != a.rkey->peer)
+      return Status::error(Code::invalid_argument, "data and notify keys belong to different ranks");
+    nlane = a.notify_rkey->lane;
+    // Data then word: either one lane orders them itself, or the data lane is
+    // synchronous (complete at the target when it returns) and the word is
+    // stored after it.
+    if (nlane != lane && !(lane->caps().sync && nlane->caps().sync))
+      return Status::error(Code::unsupported, "put_notify: data (%s) and notify word (%s) on lanes that cannot order them",
+                           lane->name(), nlane->name());
+  }
+  RmaOp op;
+  op.op = a.op;
+  op.local = a.local;
+  op.len = len;
+  op.rkey = a.rkey;
+  op.roff = a.roff;
+  op.dtype = a.dtype;
+  op.redop = a.redop;
+  op.operand = a.operand;
+  op.compare = a.compare;
+  op.old_value = a.old_value;
+  if (!atomic) {
+    op.local_mem = find_local(a.local, len);
+    if (op.local_mem == nullptr)
+      return Status::error(Code::invalid_argument,
+                           "local buffer [%p,+%zu) is not inside memory registered with this context", a.local, len);
+  }
+  if (lane->caps().sync) {
+    // Complete at the target when each call returns: the data, then the word.
+    Status st = lane->rma(op, nullptr);
+    if (st && nlane != nullptr) {
+      RmaOp w;
+      w.op = Rma::notify;
+      w.rkey = a.notify_rkey;
+      w.roff = a.notify_off;
+      w.operand = a.notify_value;
+      st = nlane->rma(w, nullptr);
+    }
+    if (out != nullptr) {
+      auto r = std::make_shared<Request>();
+      r->kind = Request::Kind::rma;
+      r->peer = a.rkey->peer;
+      r->id = _next_id++;
+      r->complete(st ? HCOMM_OK : to_hcomm(st.code()), st.message());
+      *out = std::move(r);
+    }
+    return st;
+  }
+  auto r = std::make_shared<Request>();
+  r->kind = Request::Kind::rma;
+  r->peer = a.rkey->peer;
+  r->id = _next_id++;
+  if (out != nullptr) *out = r;
+  op.notify_rkey = a.notify_rkey;
+  op.notify_off = a.notify_off;
+  op.notify_value = a.notify_value;
+  op.fence = _fence_next;
+  _fence_next = false;
+  return lane->rma(op, r);
+}
+
+Status Context::flush(int peer, const Deadline& dl) {
+  if (peer >= _size || peer < -1) return Status::error(Code::invalid_argument, "flush: rank %d of %d", peer, _size);
+  if (peer >= 0 && peer != _rank && !_peers[static_cast<size_t>(peer)].alive)
+    return Status(Code::peer_failure, _peers[static_cast<size_t>(peer)].why_dead);
+  for (auto& t : _transports) HCOMM_TRY(t->flush(peer, dl));
+  return Status::ok();
+}
+
+Status Context::notify_wait(hcomm_mem* m, uint64_t off, uint64_t value, const Deadline& dl) {
+  if (m == nullptr || m->ctx != this) return Status::error(Code::invalid_argument, "notify_wait: not memory of this context");
+  if (off % 8 != 0 || off > m->size || m->size - off < 8)
+    return Status::error(Code::out_of_range, "notify_wait: offset %lu not an aligned word inside %zu bytes",
+                         static_cast<unsigned long>(off), m->size);
+  if (m->ptr == nullptr) return Status::error(Code::unsupported, "notify_wait: memory not CPU-visible");
+  std::atomic_ref<uint64_t> w(*reinterpret_cast<uint64_t*>(m->ptr + off));
+  // The target side needs no progress to see the word; progress runs now and
+  // then so this rank's peers are still served while it waits.
+  if (spin_wait([&] { return w.load(std::memory_order_acquire) >= value; }, false, dl)) return Status::ok();
+  return Status::error(Code::timeout, "notify_wait: word is %lu, waiting for >= %lu",
+                       static_cast<unsigned long>(w.load()), static_cast<unsigned long>(value));
+}
+
+}  // namespace hcomm::api

@@ -1,0 +1,275 @@
+// Two-sided messaging over each peer's messaging lane: tag matching, eager
+// and rendezvous, written once for every transport.
+//
+//  - eager (payload <= the lane's max_short): header and payload in one
+//    active message; the send completes when the lane took it.
+//  - rendezvous: an RTS names the sender's buffer (and its registration when
+//    it is shareable hcomm memory); once a receive matches, the receiver
+//    moves the payload once, straight into the receive buffer, with the best
+//    RMA lane that reaches the sender's memory (a read through the key, else
+//    a raw read of the sender's address space), then answers FIN; the send
+//    completes at FIN.
+#include <cstring>
+
+#include "api/core/context.h"
+#include "api/transport/shm/shm.h"
+#include "common/barrier.h"
+
+namespace hcomm::api {
+
+namespace {
+bool tag_match(uint64_t msg_tag, uint64_t tag, uint64_t mask) { return (msg_tag & mask) == (tag & mask); }
+}  // namespace
+
+bool Context::try_send(Peer& p, const std::shared_ptr<Request>& rp) {
+  Request& r = *rp;
+  MsgHdr h{};
+  h.tag = r.tag;
+  h.total = r.slen;
+  h.sreq = r.id;
+  if (r.slen <= p.am->caps().max_short) {
+    h.type = static_cast<uint32_t>(MsgType::eager);
+    h.len = static_cast<uint32_t>(r.slen);
+    if (!p.am->am_send(p.rank, h, r.sbuf, r.slen)) return false;
+    r.complete(HCOMM_OK);
+    return true;
+  }
+  // Rendezvous: the receiver pulls the payload once from our buffer; we tell
+  // it where, and whether the buffer is shareable registered memory.
+  h.type = static_cast<uint32_t>(MsgType::rts);
+  h.addr = reinterpret_cast<uint64_t>(r.sbuf);
+  h.src_slot = kNoSlot;
+  if (const hcomm_mem* m = find_local(r.sbuf, r.slen); m != nullptr && m->kind == MemKind::host_alloc) {
+    h.src_slot = m->slot;
+    h.src_gen = m->gen;
+    h.src_off = static_cast<uint64_t>(r.sbuf - m->ptr);
+  }
+  if (!p.am->am_send(p.rank, h, nullptr, 0)) return false;
+  _pending_sends[r.id] = rp;  // completes when the receiver's FIN arrives
+  return true;
+}
+
+bool Context::post_fin(Peer& p, uint64_t sreq, hcomm_status_t st) {
+  // FINs are not ordered with sends: they may overtake the backlog.
+  MsgHdr h{};
+  h.type = static_cast<uint32_t>(MsgType::fin);
+  h.sreq = sreq;
+  h.status = static_cast<uint32_t>(st);
+  return p.am->am_send(p.rank, h, nullptr, 0);
+}
+
+// The first posted receive (in posting order) that a message from `source`
+// with `tag` matches, removed from the posted list; null if none.
+std::shared_ptr<Request> Context::take_posted(int source, uint64_t tag) {
+  for (auto it = _posted.begin(); it != _posted.end(); ++it) {
+    const Request& r = **it;
+    if ((r.peer == HCOMM_ANY_SOURCE || r.peer == source) && tag_match(tag, r.tag, r.tag_mask)) {
+      std::shared_ptr<Request> keep = std::move(*it);
+      _posted.erase(it);
+      return keep;
+    }
+  }
+  return nullptr;
+}
+
+void Context::on_am(int peer, const MsgHdr& h, const uint8_t* payload) {
+  Peer& p = _peers[static_cast<size_t>(peer)];
+  if (h.type == static_cast<uint32_t>(MsgType::fin)) {
+    auto it = _pending_sends.find(h.sreq);
+    if (it == _pending_sends.end() || it->second->peer != peer) return peer_failed(p, "FIN for an unknown send");
+    hcomm_status_t st = static_cast<hcomm_status_t>(h.status);
+    it->second->complete(st == HCOMM_OK ? HCOMM_OK : HCOMM_ERR_PEER_FAILURE,
+                         st == HCOMM_OK ? "" : "receiver could not pull the payload: " + std::string(hcomm_strerror(st)));
+    _pending_sends.erase(it);
+    return;
+  }
+  if (std::shared_ptr<Request> r = take_posted(peer, h.tag)) {
+    deliver(*r, peer, h, payload);
+    return;
+  }
+  Unexpected u{peer, h, {}};
+  if (h.type == static_cast<uint32_t>(MsgType::eager)) u.payload.assign(payload, payload + h.len);
+  _unexpected.push_back(std::move(u));
+}
+
+void Context::deliver(Request& r, int source, const MsgHdr& h, const uint8_t* payload) {
+  r.info = {source, h.tag, static_cast<size_t>(h.total)};
+  if (h.type == static_cast<uint32_t>(MsgType::eager)) {
+    size_t n = std::min<size_t>(h.len, r.rlen);
+    if (n > 0) std::memcpy(r.rbuf, payload, n);
+    r.complete(h.total > r.rlen ? HCOMM_ERR_TRUNCATED : HCOMM_OK,
+               h.total > r.rlen ? "message of " + std::to_string(h.total) + " bytes, buffer of " + std::to_string(r.rlen)
+                                : "");
+    return;
+  }
+  pull(r, source, h);
+}
+
+// The sender's registration, imported once and cached while its generation
+// stays the same (a rendezvous per message must not pay an mmap / ATT write).
+hcomm_rkey* Context::rendezvous_key(int source, uint32_t slot, uint32_t gen) {
+  if (_shm == nullptr || !_peers[static_cast<size_t>(source)].same_host) return nullptr;
+  const uint64_t key = (uint64_t{static_cast<uint32_t>(source)} << 32) | slot;
+  if (auto it = _rndv_keys.find(key); it != _rndv_keys.end()) {
+    if (it->second->h.gen == gen && _shm->live(source, slot, gen)) return it->second;
+    (void)rkey_release(it->second);  // the sender re-registered the slot
+    _rndv_keys.erase(it);
+  }
+  std::vector<uint8_t> wire;
+  if (!_shm->synth_key(source, slot, gen, &wire)) return nullptr;
+  hcomm_rkey* k = nullptr;
+  if (!rkey_import(source, wire.data(), wire.size(), &k)) return nullptr;
+  _rndv_keys[key] = k;
+  return k;
+}
+
+// Rendezvous: move the payload once, straight from the sender's buffer into
+// the receive buffer, then tell the sender (FIN).
+void Context::pull(Request& r, int source, const MsgHdr& h) {
+  Peer& p = _peers[static_cast<size_t>(source)];
+  const size_t n = std::min<size_t>(h.total, r.rlen);
+  hcomm_status_t st = HCOMM_OK;
+  std::string why;
+  bool moved = false;
+  if (n > 0 && h.src_slot != kNoSlot) {
+    // The sender's buffer is registered shareable memory: read it through
+    // its key's lane.
+    hcomm_rkey* k = rendezvous_key(source, h.src_slot, h.src_gen);
+    if (k != nullptr && h.src_off <= k->h.size && n <= k->h.size - h.src_off) {
+      RmaOp a;
+      a.op = Rma::get;
+      a.local = r.rbuf;
+      a.local_mem = find_local(r.rbuf, n);
+      a.len = n;
+      a.rkey = k;
+      a.roff = h.src_off;
+      if (k->lane->caps().sync) {
+        moved = static_cast<bool>(k->lane->rma(a, nullptr));
+      } else if (a.local_mem != nullptr) {
+        // An asynchronous lane, driven here to completion: only this lane is
+        // progressed (no recursion into progress(); the context lock stays held).
+        auto g = std::make_shared<Request>();
+        g->peer = source;
+        g->id = next_id();
+        Status gs = k->lane->rma(a, g);
+        Deadline gdl = Deadline::after_ms(30000);
+        while (gs && !g->done() && !gdl.expired()) {
+          k->lane->progress();
+          cpu_relax();
+        }
+        moved = gs && g->status == HCOMM_OK;
+      }
+    }
+  }
+  if (!moved && n > 0) {
+    // Any other buffer: a raw zero-copy read of the sender's memory. A
+    // failure other than the sender vanishing means it sent a bad address.
+    Status cs = Status::error(Code::unsupported, "no transport reaching rank %d reads unregistered memory", source);
+    for (Transport* t : p.rma) {
+      cs = t->read_raw(source, r.rbuf, h.addr, n);
+      if (cs.code() != Code::unsupported) break;
+    }
+    if (!cs) {
+      st = cs.code() == Code::peer_failure ? HCOMM_ERR_PEER_FAILURE : HCOMM_ERR_PROTOCOL;
+      why = "rendezvous pull from rank " + std::to_string(source) + ": " + cs.message();
+    }
+  }
+  if (!post_fin(p, h.sreq, st)) {
+    MsgHdr f{};
+    f.sreq = h.sreq;
+    f.status = static_cast<uint32_t>(st);
+    _fin_backlog.emplace_back(source, f);
+  }
+  if (st == HCOMM_OK && h.total > r.rlen) {
+    st = HCOMM_ERR_TRUNCATED;
+    why = "message of " + std::to_string(h.total) + " bytes, buffer of " + std::to_string(r.rlen);
+  }
+  r.complete(st, why);
+}
+
+Status Context::isend(int dest, const void* buf, size_t len, uint64_t tag, std::shared_ptr<Request>* out) {
+  if (dest < 0 || dest >= _size) return Status::error(Code::invalid_argument, "destination rank %d of %d", dest, _size);
+  if (buf == nullptr && len > 0) return Status::error(Code::invalid_argument, "null send buffer");
+  auto r = std::make_shared<Request>();
+  r->kind = Request::Kind::send;
+  r->peer = dest;
+  r->id = _next_id++;
+  r->sbuf = static_cast<const uint8_t*>(buf);
+  r->slen = len;
+  r->tag = tag;
+  *out = r;
+  if (dest == _rank) {
+    // To ourselves: match like any other message, copying directly.
+    if (std::shared_ptr<Request> q = take_posted(_rank, tag)) {
+      size_t n = std::min(len, q->rlen);
+      if (n > 0) std::memcpy(q->rbuf, buf, n);
+      q->info = {_rank, tag, len};
+      q->complete(len > q->rlen ? HCOMM_ERR_TRUNCATED : HCOMM_OK);
+      r->complete(HCOMM_OK);
+      return Status::ok();
+    }
+    MsgHdr h{};
+    h.type = static_cast<uint32_t>(MsgType::eager);
+    h.tag = tag;
+    h.total = len;
+    h.len = static_cast<uint32_t>(std::min<size_t>(len, UINT32_MAX));
+    Unexpected u{_rank, h, {}};
+    u.payload.assign(r->sbuf, r->sbuf + len);
+    _unexpected.push_back(std::move(u));
+    r->complete(HCOMM_OK);
+    return Status::ok();
+  }
+  Peer& p = _peers[static_cast<size_t>(dest)];
+  if (!p.alive) return Status(Code::peer_failure, p.why_dead);
+  // In order behind anything already queued for this peer.
+  if (!p.backlog.empty() || !try_send(p, r)) p.backlog.push_back(r);
+  return Status::ok();
+}
+
+Status Context::irecv(int source, void* buf, size_t len, uint64_t tag, uint64_t mask,
+                      std::shared_ptr<Request>* out) {
+  if (source != HCOMM_ANY_SOURCE && (source < 0 || source >= _size))
+    return Status::error(Code::invalid_argument, "source rank %d of %d", source, _size);
+  if (buf == nullptr && len > 0) return Status::error(Code::invalid_argument, "null receive buffer");
+  auto r = std::make_shared<Request>();
+  r->kind = Request::Kind::recv;
+  r->peer = source;
+  r->id = _next_id++;
+  r->rbuf = static_cast<uint8_t*>(buf);
+  r->rlen = len;
+  r->tag = tag;
+  r->tag_mask = mask;
+  *out = r;
+  progress();  // pull in what has arrived so the unexpected queue is current
+  for (auto it = _unexpected.begin(); it != _unexpected.end(); ++it) {
+    if ((source == HCOMM_ANY_SOURCE || source == it->source) && tag_match(it->hdr.tag, tag, mask)) {
+      Unexpected u = std::move(*it);
+      _unexpected.erase(it);
+      deliver(*r, u.source, u.hdr, u.payload.data());
+      return Status::ok();
+    }
+  }
+  if (source != HCOMM_ANY_SOURCE && source != _rank && !_peers[static_cast<size_t>(source)].alive)
+    return Status(Code::peer_failure, _peers[static_cast<size_t>(source)].why_dead);
+  _posted.push_back(r);
+  return Status::ok();
+}
+
+Status Context::probe(int source, uint64_t tag, uint64_t mask, bool* found, hcomm_recv_info_t* info) {
+  if (source != HCOMM_ANY_SOURCE && (source < 0 || source >= _size))
+    return Status::error(Code::invalid_argument, "source rank %d of %d", source, _size);
+  progress();
+  *found = false;
+  for (const Unexpected& u : _unexpected) {
+    if ((source == HCOMM_ANY_SOURCE || source == u.source) && tag_match(u.hdr.tag, tag, mask)) {
+      *found = true;
+      if (info != nullptr) *info = {u.source, u.hdr.tag, static_cast<size_t>(u.hdr.total)};
+      return Status::ok();
+    }
+  }
+  if (source != HCOMM_ANY_SOURCE && source != _rank && !_peers[static_cast<size_t>(source)].alive)
+    return Status(Code::peer_failure, _peers[static_cast<size_t>(source)].why_dead);
+  return Status::ok();
+}
+
+}  // namespace hcomm::api

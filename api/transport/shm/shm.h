@@ -1,0 +1,154 @@
+// shm: ranks on one host through shared memory.
+//
+//  - Messaging: one single-producer single-consumer ring per direction per
+//    pair (64 slots x 4 KiB, a memfd the lower rank creates); a slot holds a
+//    64-byte MsgHdr and up to 4032 payload bytes.
+//  - RMA: memory from hcomm_mem_alloc is a memfd handed to every same-host
+//    peer when it is allocated (an "advert" on the control socket); an
+//    importer maps it and the initiating CPU does memcpy / CPU atomics.
+//  - The node registry: each rank's control segment (a memfd every same-host
+//    peer maps) holds its registration table, which keys are validated
+//    against at import and on every access (generation odd = registered),
+//    and the accumulate locks (robust process-shared mutexes, so a rank that
+//    dies holding one does not wedge the others). cma and npu, the other
+//    same-host transports, validate against the same table.
+#pragma once
+
+#include <pthread.h>
+#include <sys/types.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "api/mem/memory.h"
+#include "api/transport/transport.h"
+#include "common/fd.h"
+
+namespace hcomm::api {
+
+class Context;
+
+inline constexpr uint32_t kCtrlMagic = 0x4843434cu;  // "HCCL"
+inline constexpr uint32_t kCtrlVersion = 2;
+inline constexpr uint32_t kMaxRegs = 4096;
+inline constexpr uint32_t kLockStripes = 64;
+
+struct RegEntry {
+  // Odd: valid registration; even: free or revoked. Writer: the owner only
+  // (release after the other fields); readers: peers (acquire).
+  std::atomic<uint32_t> gen;
+  uint32_t rights;  // HCOMM_ACCESS_* bits
+  uint64_t size;
+  uint64_t addr;    // owner's virtual address (host memory) / HBM offset (device)
+  uint32_t kind;    // MemKind
+  uint32_t fabric_index;  // the owner's NPU on the node fabric (npu transport)
+};
+static_assert(sizeof(RegEntry) == 32);
+
+struct CtrlHeader {
+  uint32_t magic;
+  uint32_t version;
+  int32_t rank;
+  int32_t pid;
+  uint64_t job_hash;
+  uint32_t max_regs;
+  uint32_t lock_stripes;
+};
+
+struct CtrlSegment {
+  CtrlHeader hdr;
+  alignas(64) RegEntry regs[kMaxRegs];
+  alignas(64) pthread_mutex_t locks[kLockStripes];
+};
+
+inline constexpr uint32_t kSlots = 64;
+inline constexpr uint32_t kSlotSize = 4096;
+inline constexpr uint32_t kEagerMax = kSlotSize - sizeof(MsgHdr);
+
+struct alignas(64) RingIndex {
+  std::atomic<uint32_t> v;
+  uint8_t pad[60];
+};
+struct RingLayout {
+  RingIndex head;  // consumer-owned
+  RingIndex tail;  // producer-owned
+  uint8_t slots[kSlots][kSlotSize];
+};
+struct ChannelLayout {
+  RingLayout dir[2];  // dir[0]: lower rank -> higher rank; dir[1]: the reverse
+};
+
+class ShmTransport final : public Transport {
+ public:
+  // Creates this rank's control segment. `sink` receives inbound messages.
+  static Status open(Context& ctx, AmSink& sink, std::unique_ptr<ShmTransport>* out);
+  ~ShmTransport() override;
+
+  // Collective among same-host ranks: each sends every same-host peer its
+  // control segment and, where it is the lower rank, the pair's channel, over
+  // the peers' control sockets; then maps what it received.
+  Status connect(const Deadline& dl);
+  // Messaging and the node registry only: another lane (npu) does the RMA.
+  void messaging_only() { _caps.put = _caps.get = _caps.atomic64 = _caps.reduce = _caps.notify = false; }
+
+  TransportId id() const override { return TransportId::shm; }
+  const Caps& caps() const override { return _caps; }
+  bool reaches(int /*peer*/, bool same_host) const override { return same_host; }
+  Status mem_add(hcomm_mem& m) override;
+  bool pack(const hcomm_mem& m, uint8_t* sec, size_t* len) const override;
+  Status import(hcomm_rkey& k, const uint8_t* sec, size_t len) override;
+  Status unimport(hcomm_rkey& k) override;
+  Status validate(const hcomm_rkey& k) const override { return live(k.peer, k.h.slot, k.h.gen); }
+  Status rma(const RmaOp& op, const std::shared_ptr<Request>& r) override;
+  bool am_send(int peer, const MsgHdr& h, const void* payload, size_t len) override;
+  void progress() override;
+
+  // ---- the node registry (also used by cma and npu) ----
+  // Publishes m in this rank's table (fields, then m.gen, odd, with
+  // release); fabric_index: this rank's NPU, 0 without one.
+  void publish(hcomm_mem& m, uint32_t fabric_index);
+  // Revokes: every key of m fails validation from now on, on every peer.
+  void revoke(const hcomm_mem& m);
+  // The key's header matches the owner's live entry (import time).
+  Status check_entry(int peer, const RkeyHeader& h) const;
+  // The owner's entry still has generation gen (every access).
+  Status live(int peer, uint32_t slot, uint32_t gen) const;
+  // A wire key for the owner's live registration (rendezvous pulls).
+  bool synth_key(int peer, uint32_t slot, uint32_t gen, std::vector<uint8_t>* key) const;
+  // The owner's accumulate lock for `slot`; unlock with pthread_mutex_unlock.
+  Status lock_stripe(int peer, uint32_t slot, const Deadline& dl, pthread_mutex_t** out);
+  pid_t pid(int peer) const { return _peers[static_cast<size_t>(peer)].pid; }
+  // A peer handed us the memfd of registration (slot, gen).
+  void on_advert(int peer, uint32_t slot, uint32_t gen, UniqueFd fd);
+  // Maps the peer's hcomm memory named by k's header into k.mapped (own
+  // memory: borrows the pointer); *fd (may be null): its memfd, owned here.
+  Status attach(hcomm_rkey& k, int* fd);
+
+ private:
+  struct ShmPeer {
+    pid_t pid = 0;
+    CtrlSegment* ctrl = nullptr;  // the peer's control segment, mapped read-write (locks)
+    RingLayout* tx = nullptr;
+    RingLayout* rx = nullptr;
+    std::map<uint64_t, UniqueFd> adverts;  // (slot << 32 | gen) -> memfd
+  };
+  ShmTransport(Context& ctx, AmSink& sink);
+  CtrlSegment* seg(int peer) const;
+  void advertise(const hcomm_mem& m);
+  Status await_advert(int peer, uint32_t slot, uint32_t gen, const Deadline& dl, int* fd);
+  Status map_fd(int fd, size_t len, void** out);
+
+  Context& _ctx;
+  AmSink& _sink;
+  Caps _caps;
+  int _rank;
+  UniqueFd _ctrl_fd;
+  CtrlSegment* _ctrl = nullptr;
+  std::vector<ShmPeer> _peers;
+  std::vector<std::pair<void*, size_t>> _maps;  // every mmap to undo
+};
+
+}  // namespace hcomm::api

@@ -1,0 +1,153 @@
+// The seam between protocols (api/proto) and transports (api/transport/*),
+// in the spirit of UCX's ucp/uct split, but small.
+//
+// A Transport is one way of moving bytes, opened once per context: shm (the
+// pair's shared-memory channels and memfd-mapped memory), cma (process_vm_*
+// into memory a peer merely registered), npu (this rank's NPU DMA queue and
+// the node's fabric), verbs (RC queue pairs through rdma-core). It says what
+// it can do (Caps) and which peers it reaches; the context picks, per peer,
+// one messaging lane (the transport that carries the protocol's active
+// messages: eager payloads, rendezvous headers, FINs) and an ordered list of
+// RMA lanes. A remote key is imported onto the first RMA lane of its peer
+// whose transport put a section into the packed key (api/mem/memory.h).
+//
+// Ownership and threading: transports belong to the Context and are called
+// with the context lock held. Hot-path calls are virtual: one indirect call
+// per operation, next to a memcpy or a descriptor write.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "api/include/hcomm/hcomm.h"
+#include "common/status.h"
+#include "common/time.h"
+
+struct hcomm_mem;
+struct hcomm_rkey;
+
+namespace hcomm::api {
+
+struct Request;
+
+// Wire ids: they appear in packed keys (api/mem/memory.h), never renumber.
+enum class TransportId : uint8_t { shm = 1, cma = 2, npu = 3, verbs = 4 };
+inline constexpr int kTransportKinds = 5;
+const char* transport_name(TransportId id);
+
+struct Caps {
+  size_t max_short = 0;       // largest active-message payload (eager), 0 = no messaging
+  size_t max_zcopy = 0;       // largest single RMA the transport posts (0 = no limit)
+  bool put = false, get = false;
+  bool atomic64 = false;      // 64-bit fetch_add / compare_swap
+  bool reduce = false;        // accumulate (native or emulated, element-wise atomic)
+  bool notify = false;        // put_notify ordered on the lane itself
+  bool remote_hosts = false;  // reaches peers on other hosts
+  bool sync = false;          // every RMA is complete at the target when rma() returns
+};
+
+// ---- active messages: the protocol's headers (64 bytes, then payload) ----
+enum class MsgType : uint32_t { eager = 1, rts = 2, fin = 3 };
+inline constexpr uint32_t kNoSlot = 0xffffffffu;
+
+struct MsgHdr {
+  uint32_t type;     // MsgType
+  uint32_t len;      // payload bytes carried with this header (eager)
+  uint64_t tag;
+  uint64_t total;    // message length
+  uint64_t sreq;     // sender's request id (rts/fin)
+  uint64_t addr;     // rts: sender's buffer address
+  uint32_t src_slot; // rts: registration of the sender's buffer (kNoSlot if none)
+  uint32_t src_gen;
+  uint64_t src_off;  // rts: offset of the buffer in that registration
+  uint32_t status;   // fin: hcomm_status_t of the receiver's pull
+  uint32_t reserved;
+};
+static_assert(sizeof(MsgHdr) == 64);
+
+// What the context gives transports: delivery of inbound active messages and
+// peer failure reports. Implemented by the Context.
+class AmSink {
+ public:
+  virtual ~AmSink() = default;
+  // One inbound message from `peer` (header copied once and checked for
+  // form by the transport; payload valid only during the call).
+  virtual void on_am(int peer, const MsgHdr& h, const uint8_t* payload) = 0;
+  virtual void on_peer_failed(int peer, const std::string& why) = 0;
+};
+
+// One remote-memory operation on an already-checked key.
+enum class Rma { put, get, acc, fetch_add, cswap, notify };
+struct RmaOp {
+  Rma op = Rma::put;
+  uint8_t* local = nullptr;  // inside local_mem (put/get/acc)
+  const hcomm_mem* local_mem = nullptr;
+  size_t len = 0;            // bytes
+  hcomm_rkey* rkey = nullptr;
+  uint64_t roff = 0;
+  hcomm_dtype_t dtype = HCOMM_INT8;
+  hcomm_op_t redop = HCOMM_SUM;
+  uint64_t operand = 0, compare = 0;  // fetch_add / cswap; notify: the value
+  uint64_t* old_value = nullptr;
+  hcomm_rkey* notify_rkey = nullptr;  // put_notify on one lane (Caps::notify)
+  uint64_t notify_off = 0;
+  uint64_t notify_value = 0;
+  bool fence = false;  // start after every earlier operation of this lane completed
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual TransportId id() const = 0;
+  const char* name() const { return transport_name(id()); }
+  virtual const Caps& caps() const = 0;
+  // Whether this transport can serve `peer` (same_host: shares this host).
+  virtual bool reaches(int peer, bool same_host) const = 0;
+
+  // ---- memory: called for every registration of the context ----
+  // Make m reachable through this transport (map it into a device, register
+  // it with a NIC); a transport that needs nothing returns ok.
+  virtual Status mem_add(hcomm_mem& /*m*/) { return Status::ok(); }
+  virtual void mem_remove(hcomm_mem& /*m*/) {}
+  // The transport's section of m's packed key (at most kMaxSection bytes);
+  // false when this transport cannot reach m.
+  static constexpr size_t kMaxSection = 24;
+  virtual bool pack(const hcomm_mem& m, uint8_t* sec, size_t* len) const = 0;
+  // Binds k (header already validated by the context) to this lane from its
+  // section; unsupported when this lane cannot reach that memory after all.
+  virtual Status import(hcomm_rkey& k, const uint8_t* sec, size_t len) = 0;
+  virtual Status unimport(hcomm_rkey& /*k*/) { return Status::ok(); }
+  // Per-access validity beyond bounds and rights (e.g. the owner's live
+  // generation): access_denied once the owner revoked the memory.
+  virtual Status validate(const hcomm_rkey& /*k*/) const { return Status::ok(); }
+
+  // ---- one-sided ----
+  // r == nullptr only when caps().sync: the call completes the operation.
+  // Otherwise the transport completes r later, from progress().
+  virtual Status rma(const RmaOp& op, const std::shared_ptr<Request>& r) = 0;
+  // Waits until every operation of this lane (to `peer`, or all: -1)
+  // completed at its target.
+  virtual Status flush(int /*peer*/, const Deadline& /*dl*/) { return Status::ok(); }
+
+  // ---- active messages (caps().max_short > 0) ----
+  // Queues one message; false when there is no room now (try again after
+  // progress). len <= caps().max_short.
+  virtual bool am_send(int /*peer*/, const MsgHdr& /*h*/, const void* /*payload*/, size_t /*len*/) { return false; }
+  // A zero-copy read of [addr, addr+len) from the peer's address space into
+  // local (rendezvous of a buffer that is not shareable registered memory);
+  // unsupported when the transport cannot.
+  virtual Status read_raw(int /*peer*/, void* /*local*/, uint64_t /*addr*/, size_t /*len*/) {
+    return Status::error(Code::unsupported, "%s cannot read a peer's unregistered memory", name());
+  }
+
+  // Completions and inbound messages.
+  virtual void progress() {}
+  // The peer failed: fail what is queued for it.
+  virtual void peer_failed(int /*peer*/, const std::string& /*why*/) {}
+};
+
+}  // namespace hcomm::api
