@@ -1,10 +1,13 @@
 // Integration: Bootstrap and connect_mesh across real processes. Every test
 // forks its ranks from the single-threaded test process (before any thread
 // exists), each child reports one line through a pipe and exits; the parent
-// bounds everything and kills what is left.
+// bounds everything and kills what is left. Ranks on "two hosts" get
+// HCOMM_HOST_ID=a / b per child: TCP links between, AF_UNIX within; the store
+// bootstrap runs over a directory store shared by the children.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -20,7 +23,9 @@
 #include <vector>
 
 #include "api/wireup/bootstrap.h"
+#include "api/wireup/kv_store.h"
 #include "api/wireup/mesh.h"
+#include "tests/support/kv_stores.h"
 
 namespace hcomm::api {
 namespace {
@@ -329,6 +334,297 @@ TEST(BootstrapFailure, KilledPeerIsPeerFailureOnTheMesh) {
   EXPECT_EQ(t.rfind("peer_failure", 0), 0u) << t;
   EXPECT_NE(t.find("rank 1"), std::string::npos) << t;
   EXPECT_LE(std::stol(t.substr(t.rfind("after ") + 6)), 5000) << t;  // far inside the 20 s deadline
+}
+
+// ---- ranks on "two hosts" (HCOMM_HOST_ID per child): TCP between, UNIX within ----
+
+// Sets the per-child variables the cross-host mesh reads; unsets the rest.
+void host_env(const std::string& host, const char* sock_addr = nullptr) {
+  ::setenv("HCOMM_HOST_ID", host.c_str(), 1);
+  for (const char* v : {"HCOMM_SOCKET_IFNAME", "HCOMM_SOCKET_ADDR", "MASTER_ADDR", "HCOMM_KEEPALIVE_MS"}) ::unsetenv(v);
+  if (sock_addr != nullptr) ::setenv("HCOMM_SOCKET_ADDR", sock_addr, 1);
+}
+
+int sock_int(int fd, int level, int name) {
+  int v = -1;
+  socklen_t l = sizeof v;
+  return ::getsockopt(fd, level, name, &v, &l) == 0 ? v : -1;
+}
+
+// Every rank sends `m` to every peer, then receives from every peer.
+std::string exchange_all(std::vector<MeshLink>& links, int me, size_t len, const Deadline& dl) {
+  auto payload = [](int from, int to, size_t n) {
+    std::string s(n, '\0');
+    for (size_t i = 0; i < n; ++i) s[i] = static_cast<char>((i * 31 + static_cast<size_t>(from * 7 + to)) & 0xff);
+    return s;
+  };
+  const int n = static_cast<int>(links.size());
+  for (int p = 0; p < n; ++p) {
+    if (p == me) continue;
+    std::string m = payload(me, p, len);
+    Status st = send_msg(links[static_cast<size_t>(p)].fd.get(), m.data(), m.size(), {}, dl, p);
+    if (!st) return "send " + std::to_string(len) + " B to rank " + std::to_string(p) + ": " + st.to_string();
+  }
+  for (int p = 0; p < n; ++p) {
+    if (p == me) continue;
+    std::vector<uint8_t> m;
+    Status st = recv_msg(links[static_cast<size_t>(p)].fd.get(), &m, nullptr, dl, p);
+    if (!st) return "recv " + std::to_string(len) + " B from rank " + std::to_string(p) + ": " + st.to_string();
+    if (std::string(m.begin(), m.end()) != payload(p, me, len))
+      return std::to_string(len) + " B from rank " + std::to_string(p) + " arrived wrong";
+  }
+  return "ok";
+}
+
+// 4 ranks: 0, 1 on host "a", 2, 3 on host "b".
+TEST(MeshTwoHosts, TcpBetweenUnixWithinMessagesBothWaysAndGoodbye) {
+  const int n = 4;
+  int port = free_port();
+  std::string job = unique_job("twohosts");
+  auto res = run_ranks(all_ranks(n), [&](int me) -> std::string {
+    host_env(me < 2 ? "a" : "b");  // the default listen address (no override)
+    std::unique_ptr<Bootstrap> b;
+    Status st = Bootstrap::create(tcp_launch(me, n, port, job), 20000, &b);
+    if (!st) return "create: " + st.to_string();
+    Deadline dl = Deadline::after_ms(20000);
+    std::vector<MeshLink> links;
+    st = connect_mesh(*b, dl, &links);
+    if (!st) return "connect_mesh: " + st.to_string();
+    if (links.size() != static_cast<size_t>(n)) return "bad links vector";
+    const MeshLink& self = links[static_cast<size_t>(me)];
+    if (self.fd.valid() || !self.same_host || self.host != (me < 2 ? "a" : "b")) return "bad self link";
+    for (int p = 0; p < n; ++p) {
+      if (p == me) continue;
+      const MeshLink& l = links[static_cast<size_t>(p)];
+      bool same = (p < 2) == (me < 2);
+      if (l.same_host != same || l.host != (p < 2 ? "a" : "b")) return "rank " + std::to_string(p) + ": wrong host";
+      int domain = sock_int(l.fd.get(), SOL_SOCKET, SO_DOMAIN);
+      if (same && domain != AF_UNIX) return "same-host link to " + std::to_string(p) + " is not AF_UNIX";
+      if (!same && domain != AF_INET && domain != AF_INET6) return "cross-host link is not TCP";
+      if (!same && (sock_int(l.fd.get(), IPPROTO_TCP, TCP_NODELAY) != 1 ||
+                    sock_int(l.fd.get(), SOL_SOCKET, SO_KEEPALIVE) != 1 ||
+                    sock_int(l.fd.get(), IPPROTO_TCP, TCP_USER_TIMEOUT) != 5000 ||
+                    sock_int(l.fd.get(), IPPROTO_TCP, TCP_KEEPIDLE) != 2 ||
+                    sock_int(l.fd.get(), IPPROTO_TCP, TCP_KEEPINTVL) != 1 ||
+                    sock_int(l.fd.get(), IPPROTO_TCP, TCP_KEEPCNT) != 3))
+        return "TCP link options are not the defaults of HCOMM_KEEPALIVE_MS=5000";
+      // Descriptors travel within a host only.
+      const int pass[] = {0};
+      st = send_msg(l.fd.get(), "fd", 2, pass, dl, p);
+      if (same ? !st : st.code() != Code::invalid_argument) return "passing an fd to rank " + std::to_string(p) + ": " + st.to_string();
+      if (same) {
+        std::vector<uint8_t> m;
+        std::vector<UniqueFd> fds;
+        st = recv_msg(l.fd.get(), &m, &fds, dl, p);
+        if (!st || fds.size() != 1) return "fd from rank " + std::to_string(p) + ": " + st.to_string();
+      }
+    }
+    for (size_t len : {size_t{1}, size_t{3}, size_t{100}, size_t{4096}, size_t{20000}, kMaxMsg}) {
+      std::string r = exchange_all(links, me, len, dl);
+      if (r != "ok") return r;
+    }
+    st = b->barrier(dl);
+    if (!st) return "barrier: " + st.to_string();
+    for (int p = 0; p < n; ++p) {
+      st = mesh_goodbye(links[static_cast<size_t>(p)], Deadline::after_ms(5000));
+      if (!st) return "goodbye to rank " + std::to_string(p) + ": " + st.to_string();
+    }
+    return "ok";
+  });
+  expect_all_ok(res, n);
+}
+
+// Forwards to a real Bootstrap and lets a test look at each allgather's
+// result before the caller does (here: the mesh's TCP endpoints).
+class SpyBootstrap : public Bootstrap {
+ public:
+  using Hook = std::function<void(uint32_t seq, const std::vector<std::string>& all)>;
+  SpyBootstrap(std::unique_ptr<Bootstrap> inner, Hook hook)
+      : Bootstrap(inner->rank(), inner->size(), inner->job_id()), _inner(std::move(inner)), _hook(std::move(hook)) {}
+
+ protected:
+  Status exchange(uint32_t seq, Collective kind, const std::string& mine, std::vector<std::string>* all,
+                  const Deadline& dl) override {
+    Status st = kind == Collective::barrier ? _inner->barrier(dl) : _inner->allgather(mine, all, dl);
+    if (st && kind != Collective::barrier) _hook(seq, *all);
+    return st;
+  }
+
+ private:
+  std::unique_ptr<Bootstrap> _inner;
+  Hook _hook;
+};
+
+std::string be16(uint16_t v) {
+  v = htons(v);
+  return std::string(reinterpret_cast<const char*>(&v), 2);
+}
+std::string be32s(uint32_t v) {
+  v = htonl(v);
+  return std::string(reinterpret_cast<const char*>(&v), 4);
+}
+std::string hello_bytes(uint32_t magic, uint16_t version, uint64_t cookie, uint32_t rank, uint32_t size) {
+  return be32s(magic) + be16(version) + be16(1) + be32s(static_cast<uint32_t>(cookie >> 32)) +
+         be32s(static_cast<uint32_t>(cookie)) + be32s(rank) + be32s(size) + be32s(0);
+}
+
+// Connects to addr:port as a stranger, sends `hello`, returns the listener's
+// answer as "type <t>: <text>" (or what went wrong).
+std::string stranger(const std::string& addr, int port, const std::string& hello) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  ::inet_pton(AF_INET, addr.c_str(), &a.sin_addr);
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  std::string out;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    out = "connect failed";
+  } else if (::send(fd, hello.data(), hello.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(hello.size())) {
+    out = "send failed";
+  } else {
+    char h[kMeshTcpHello];
+    if (::recv(fd, h, sizeof h, MSG_WAITALL) != static_cast<ssize_t>(sizeof h)) {
+      out = "no answer";
+    } else {
+      uint32_t w[7];
+      std::memcpy(w, h, sizeof w);
+      std::string text(ntohl(w[6]), '\0');
+      if (!text.empty()) (void)::recv(fd, text.data(), text.size(), MSG_WAITALL);
+      out = "type " + std::to_string(ntohl(w[1]) & 0xffff) + ": " + text;
+    }
+  }
+  ::close(fd);
+  return out;
+}
+
+// Strangers knock on rank 0's TCP listener before rank 1 connects: each is
+// refused with a message naming what differed, and the job still forms.
+TEST(MeshTwoHosts, StrangersAreRefusedAndTheJobStillForms) {
+  int port = free_port();
+  std::string job = unique_job("stranger");
+  auto res = run_ranks({0, 1}, [&](int me) -> std::string {
+    host_env(me == 0 ? "a" : "b", "127.0.0.1");
+    std::unique_ptr<Bootstrap> real;
+    Status st = Bootstrap::create(tcp_launch(me, 2, port, job), 20000, &real);
+    if (!st) return "create: " + st.to_string();
+    std::string verdict = "ok";
+    SpyBootstrap spy(std::move(real), [&](uint32_t, const std::vector<std::string>& all) {
+      // Round 2 of the mesh carries "addr port" for each rank with remote peers.
+      if (me != 1 || all[0].find('\n') != std::string::npos || all[0].empty()) return;
+      std::string addr = all[0].substr(0, all[0].find(' '));
+      int p = std::stoi(all[0].substr(all[0].find(' ') + 1));
+      const uint64_t cookie = mesh_job_cookie(job);
+      struct Case {
+        std::string hello, want;
+      } cases[] = {
+          {std::string("GET / HTTP/1.0\r\n\r\n") + std::string(10, ' '), "not an hcomm mesh hello"},
+          {hello_bytes(kMeshTcpMagic, 99, cookie, 1, 2), "version 99"},
+          {hello_bytes(kMeshTcpMagic, kMeshTcpVersion, mesh_job_cookie("another-job"), 1, 2), "another job"},
+          {hello_bytes(kMeshTcpMagic, kMeshTcpVersion, cookie, 1, 3), "world size 3"},
+          {hello_bytes(kMeshTcpMagic, kMeshTcpVersion, cookie, 0, 2), "only ranks above 0"},
+      };
+      for (const Case& c : cases) {
+        std::string got = stranger(addr, p, c.hello);
+        if (got.rfind("type 2: ", 0) != 0 || got.find(c.want) == std::string::npos)
+          verdict = "stranger wanting \"" + c.want + "\" got \"" + got + "\"";
+      }
+    });
+    Deadline dl = Deadline::after_ms(20000);
+    std::vector<MeshLink> links;
+    st = connect_mesh(spy, dl, &links);
+    if (!st) return "connect_mesh: " + st.to_string();
+    if (verdict != "ok") return verdict;
+    std::string r = exchange_all(links, me, 1000, dl);
+    if (r != "ok") return r;
+    return spy.barrier(dl) ? "ok" : "barrier failed";
+  });
+  expect_all_ok(res, 2);
+}
+
+// A rank on the other host killed after the mesh exists: peer_failure, promptly.
+TEST(MeshTwoHosts, KilledPeerIsPeerFailure) {
+  int port = free_port();
+  std::string job = unique_job("tcpkill");
+  auto res = run_ranks({0, 1}, [&](int r) -> std::string {
+    host_env(r == 0 ? "a" : "b", "127.0.0.1");
+    std::unique_ptr<Bootstrap> b;
+    Status st = Bootstrap::create(tcp_launch(r, 2, port, job), 20000, &b);
+    if (!st) return "create: " + st.to_string();
+    std::vector<MeshLink> links;
+    st = connect_mesh(*b, Deadline::after_ms(20000), &links);
+    if (!st) return "connect_mesh: " + st.to_string();
+    if (links[1 - r].same_host) return "expected a TCP link";
+    if (r == 1) ::raise(SIGKILL);
+    auto t0 = Clock::now();
+    std::vector<uint8_t> m;
+    st = recv_msg(links[1].fd.get(), &m, nullptr, Deadline::after_ms(20000), 1);
+    return describe(st, since(t0));
+  });
+  EXPECT_EQ(res[1].status, 128 + SIGKILL);
+  const std::string& t = res[0].text;
+  EXPECT_EQ(t.rfind("peer_failure", 0), 0u) << t;
+  EXPECT_NE(t.find("rank 1"), std::string::npos) << t;
+  EXPECT_LE(std::stol(t.substr(t.rfind("after ") + 6)), 5000) << t;
+}
+
+// ---- the store bootstrap across processes (a directory as the store) ----
+
+class StoreDir : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/hcomm-store-test-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string dir_;
+};
+
+TEST_F(StoreDir, AllgatherAndMeshAcrossProcesses) {
+  const int n = 3;
+  std::string job = unique_job("store");
+  auto res = run_ranks(all_ranks(n), [&](int me) -> std::string {
+    host_env(me == 2 ? "b" : "a", "127.0.0.1");
+    test::DirStore store(dir_);
+    std::unique_ptr<Bootstrap> b;
+    Status st = Bootstrap::from_store(me, n, job, kv_store_from_c(store.c()), 20000, &b);
+    if (!st) return "from_store: " + st.to_string();
+    Deadline dl = Deadline::after_ms(20000);
+    for (int k = 0; k < 4; ++k) {
+      std::vector<std::string> all;
+      st = b->allgather(blob(me, k), &all, dl);
+      if (!st) return "allgather: " + st.to_string();
+      for (int r = 0; r < n; ++r)
+        if (all[static_cast<size_t>(r)] != blob(r, k)) return "round " + std::to_string(k) + " slot " + std::to_string(r);
+    }
+    std::vector<MeshLink> links;
+    st = connect_mesh(*b, dl, &links);
+    if (!st) return "connect_mesh: " + st.to_string();
+    std::string r = exchange_all(links, me, 5000, dl);
+    if (r != "ok") return r;
+    return b->barrier(dl) ? "ok" : "barrier failed";
+  });
+  expect_all_ok(res, n);
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/hcomm#" + job + "#0#2")) << "rank 2's join key";
+}
+
+TEST_F(StoreDir, RankThatNeverArrivesTimesOutNamingIt) {
+  std::string job = unique_job("storemissing");
+  auto res = run_ranks({0, 2}, [&](int me) -> std::string {
+    test::DirStore store(dir_);
+    auto t0 = Clock::now();
+    std::unique_ptr<Bootstrap> b;
+    Status st = Bootstrap::from_store(me, 3, job, kv_store_from_c(store.c()), 800, &b);
+    return describe(st, since(t0));
+  });
+  for (int r : {0, 2}) {
+    const std::string& t = res[r].text;
+    EXPECT_EQ(t.rfind("timeout", 0), 0u) << t;
+    EXPECT_NE(t.find("rank 1 of 3 did not join the store rendezvous"), std::string::npos) << t;
+    EXPECT_LE(std::stol(t.substr(t.rfind("after ") + 6)), 800 + 2500) << t;
+  }
 }
 
 // A fake rank 0 answers HELLO with a malformed frame: protocol_error, not a hang or a crash.

@@ -1,11 +1,13 @@
 // boot_check: a tiny rank program for launcher tests (hcomm-run, mpirun).
-// Detects the launch, bootstraps, allgathers, builds the mesh, passes one
-// descriptor to every peer, and prints one line:
+// Detects the launch, bootstraps, allgathers, builds the mesh, sends every
+// peer a message (with a descriptor to peers on this host; none can cross
+// hosts), says goodbye on every link, and prints one line:
 //   boot_check rank R/N source=S ok
 // Exit 0 on success; 1 with the reason on stderr otherwise.
 #include <unistd.h>
 
 #include <cstdio>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -35,29 +37,38 @@ int main() {
       std::fprintf(stderr, "boot_check: allgather slot %d holds \"%s\"\n", r, all[static_cast<size_t>(r)].c_str());
       return 1;
     }
-  std::vector<UniqueFd> peers;
+  std::vector<api::MeshLink> peers;
   st = api::connect_mesh(*boot, dl, &peers);
   if (!st) return fail("connect_mesh", st);
   for (int p = 0; p < li.size; ++p) {
     if (p == li.rank) continue;
     int fds[1] = {0};  // stdin: any descriptor will do
+    std::span<const int> pass;
+    if (peers[static_cast<size_t>(p)].same_host) pass = fds;
     std::string m = "hello " + std::to_string(li.rank);
-    st = api::send_msg(peers[static_cast<size_t>(p)].get(), m.data(), m.size(), fds, dl, p);
+    st = api::send_msg(peers[static_cast<size_t>(p)].fd.get(), m.data(), m.size(), pass, dl, p);
     if (!st) return fail("send_msg", st);
   }
   for (int p = 0; p < li.size; ++p) {
     if (p == li.rank) continue;
     std::vector<uint8_t> m;
     std::vector<UniqueFd> got;
-    st = api::recv_msg(peers[static_cast<size_t>(p)].get(), &m, &got, dl, p);
+    const auto& link = peers[static_cast<size_t>(p)];
+    st = api::recv_msg(link.fd.get(), &m, &got, dl, p);
     if (!st) return fail("recv_msg", st);
-    if (std::string(m.begin(), m.end()) != "hello " + std::to_string(p) || got.size() != 1 || !got[0].valid()) {
+    const size_t want_fds = link.same_host ? 1 : 0;
+    if (std::string(m.begin(), m.end()) != "hello " + std::to_string(p) || got.size() != want_fds ||
+        (want_fds == 1 && !got[0].valid())) {
       std::fprintf(stderr, "boot_check: bad message from rank %d\n", p);
       return 1;
     }
   }
   st = boot->barrier(dl);
   if (!st) return fail("barrier", st);
+  for (auto& link : peers) {
+    st = api::mesh_goodbye(link, dl);
+    if (!st) return fail("mesh_goodbye", st);
+  }
   std::printf("boot_check rank %d/%d source=%s ok\n", li.rank, li.size, li.source.c_str());
   return 0;
 }
