@@ -1,13 +1,19 @@
-// Unit: launch detection from the environment, and Bootstrap's argument
-// checks and single-rank path (no network).
+// Unit: launch detection from the environment, Bootstrap's argument checks
+// and single-rank path (no network), host identity and the mesh's listen
+// address from the environment.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "api/wireup/bootstrap.h"
+#include "api/wireup/host.h"
+#include "api/wireup/mesh.h"
+#include "tests/support/kv_stores.h"
 
 namespace hcomm::api {
 namespace {
@@ -202,6 +208,73 @@ TEST(BootstrapArgs, SingleRankNeedsNoNetwork) {
   EXPECT_EQ(b->allgather(std::string(Bootstrap::kMaxBlob + 1, 'x'), &all, Deadline::after_ms(100)).code(),
             Code::invalid_argument);
   EXPECT_EQ(b->allgather("x", nullptr, Deadline::after_ms(100)).code(), Code::invalid_argument);
+}
+
+
+// ---- host identity and the mesh's listen address ----
+
+class HostEnv : public DetectLaunch {
+ protected:
+  void SetUp() override {
+    DetectLaunch::SetUp();
+    for (const char* v : {"HCOMM_HOST_ID", "HCOMM_SOCKET_ADDR", "HCOMM_SOCKET_IFNAME", "HCOMM_KEEPALIVE_MS"}) {
+      const char* old = std::getenv(v);
+      saved_.emplace_back(v, old ? std::optional<std::string>(old) : std::nullopt);
+      ::unsetenv(v);
+    }
+  }
+};
+
+TEST_F(HostEnv, HostIdIsTheOverrideElseHostnameAndBootId) {
+  std::string dflt = host_id();
+  EXPECT_NE(dflt.find('/'), std::string::npos) << dflt << ": hostname/boot_id";
+  EXPECT_EQ(dflt, host_id()) << "stable";
+  set("HCOMM_HOST_ID", "rack7-node3");
+  EXPECT_EQ(host_id(), "rack7-node3");
+}
+
+TEST_F(HostEnv, ListenAddressOverridesAndDefault) {
+  std::string a;
+  set("HCOMM_SOCKET_ADDR", "10.1.2.3");
+  ASSERT_TRUE(mesh_listen_address(&a));
+  EXPECT_EQ(a, "10.1.2.3");
+  set("HCOMM_SOCKET_ADDR", "::1");
+  ASSERT_TRUE(mesh_listen_address(&a));
+  EXPECT_EQ(a, "::1");
+  set("HCOMM_SOCKET_ADDR", "node7");
+  EXPECT_EQ(mesh_listen_address(&a).code(), Code::invalid_argument);
+  ::unsetenv("HCOMM_SOCKET_ADDR");
+  set("HCOMM_SOCKET_IFNAME", "lo");
+  ASSERT_TRUE(mesh_listen_address(&a));
+  EXPECT_EQ(a, "127.0.0.1");
+  set("HCOMM_SOCKET_IFNAME", "no-such-if0");
+  Status st = mesh_listen_address(&a);
+  EXPECT_EQ(st.code(), Code::not_found) << st.to_string();
+  EXPECT_NE(st.message().find("no such interface"), std::string::npos) << st.message();
+  ::unsetenv("HCOMM_SOCKET_IFNAME");
+  set("MASTER_ADDR", "127.0.0.1");
+  ASSERT_TRUE(mesh_listen_address(&a));
+  EXPECT_EQ(a, "127.0.0.1") << "the route to MASTER_ADDR";
+  ::unsetenv("MASTER_ADDR");
+  ASSERT_TRUE(mesh_listen_address(&a));
+  in6_addr buf;
+  EXPECT_EQ(::inet_pton(AF_INET, a.c_str(), &buf), 1) << a << ": an IPv4 address of an interface, else 127.0.0.1";
+}
+
+TEST_F(HostEnv, BadKeepaliveIsInvalidArgumentBeforeAnyExchange) {
+  test::MemStore store;
+  std::vector<std::unique_ptr<Bootstrap>> b(2);
+  std::thread t([&] { ASSERT_TRUE(Bootstrap::from_store(1, 2, "ka", kv_store_from_c(store.c()), 5000, &b[1])); });
+  ASSERT_TRUE(Bootstrap::from_store(0, 2, "ka", kv_store_from_c(store.c()), 5000, &b[0]));
+  t.join();
+  for (const char* bad : {"5s", "999", "3600001"}) {
+    set("HCOMM_KEEPALIVE_MS", bad);
+    std::vector<MeshLink> links;
+    Status st = connect_mesh(*b[0], Deadline::after_ms(1000), &links);
+    EXPECT_EQ(st.code(), Code::invalid_argument) << bad << ": " << st.to_string();
+    EXPECT_NE(st.message().find("HCOMM_KEEPALIVE_MS"), std::string::npos) << st.message();
+  }
+  ::unsetenv("HCOMM_KEEPALIVE_MS");
 }
 
 }  // namespace
