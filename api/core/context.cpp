@@ -368,11 +368,13 @@ void Context::peer_failed(Peer& p, const std::string& why) {
   p.alive = false;
   p.why_dead = "rank " + std::to_string(p.rank) + ": " + why;
   for (auto& t : _transports) t->peer_failed(p.rank, p.why_dead);
-  for (auto& r : p.backlog) r->complete(HCOMM_ERR_PEER_FAILURE, p.why_dead);
+  for (auto& r : p.backlog) send_done(*r, HCOMM_ERR_PEER_FAILURE, p.why_dead);
   p.backlog.clear();
+  for (Pull& u : _pulls)
+    if (u.source == p.rank) u.read->complete(HCOMM_ERR_PEER_FAILURE, p.why_dead);
   for (auto it = _pending_sends.begin(); it != _pending_sends.end();) {
     if (it->second->peer == p.rank) {
-      it->second->complete(HCOMM_ERR_PEER_FAILURE, p.why_dead);
+      send_done(*it->second, HCOMM_ERR_PEER_FAILURE, p.why_dead);
       it = _pending_sends.erase(it);
     } else {
       ++it;
@@ -394,6 +396,7 @@ void Context::peer_failed(Peer& p, const std::string& why) {
 
 void Context::progress() {
   for (auto& t : _transports) t->progress();
+  if (!_pulls.empty()) finish_pulls();
   for (Peer& p : _peers) {
     if (p.rank == _rank || !p.alive) continue;
     while (!p.backlog.empty() && try_send(p, p.backlog.front())) p.backlog.pop_front();

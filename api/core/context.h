@@ -56,6 +56,9 @@ struct Request {
   uint32_t outstanding = 0;
   uint64_t* result_out = nullptr;
   uint32_t result_slot = UINT32_MAX;
+  // rendezvous send: what the messaging lane exposed for the receiver's read
+  void* exposed = nullptr;
+  Transport* exposed_by = nullptr;
   bool done() const { return status != HCOMM_IN_PROGRESS; }
   void complete(hcomm_status_t st, const std::string& why = "") {
     if (done()) return;
@@ -182,8 +185,10 @@ class Context final : public AmSink {
   bool try_send(Peer& p, const std::shared_ptr<Request>& r);
   hcomm_rkey* rendezvous_key(int source, uint32_t slot, uint32_t gen);
   std::shared_ptr<Request> take_posted(int source, uint64_t tag);
-  void deliver(Request& r, int source, const MsgHdr& h, const uint8_t* payload);
-  void pull(Request& r, int source, const MsgHdr& h);
+  void deliver(const std::shared_ptr<Request>& r, int source, const MsgHdr& h, const uint8_t* payload);
+  void pull(const std::shared_ptr<Request>& r, int source, const MsgHdr& h);
+  void finish_pulls();
+  void send_done(Request& r, hcomm_status_t st, const std::string& why);
   bool post_fin(Peer& p, uint64_t sreq, hcomm_status_t st);
 
   std::mutex _mu;
@@ -205,6 +210,14 @@ class Context final : public AmSink {
   std::list<std::shared_ptr<Request>> _posted;                   // receives
   std::list<Unexpected> _unexpected;
   std::deque<std::pair<int, MsgHdr>> _fin_backlog;               // FINs waiting for room
+  // Rendezvous reads in flight: the receive completes, and the FIN goes out,
+  // when the read does.
+  struct Pull {
+    std::shared_ptr<Request> recv, read;
+    int source;
+    uint64_t sreq, total;
+  };
+  std::list<Pull> _pulls;
   std::map<uint64_t, hcomm_rkey*> _rndv_keys;                    // (peer << 32 | slot) -> cached import
   Clock::time_point _last_check{};
   std::chrono::milliseconds _peer_check{1};

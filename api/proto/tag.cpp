@@ -44,6 +44,14 @@ bool Context::try_send(Peer& p, const std::shared_ptr<Request>& rp) {
     h.src_gen = m->gen;
     h.src_off = static_cast<uint64_t>(r.sbuf - m->ptr);
   }
+  if (r.exposed_by == nullptr) {
+    Status st = p.am->expose(r, h);
+    if (!st) {
+      r.complete(to_hcomm(st.code()), "rendezvous: " + st.message());
+      return true;  // consumed: failed
+    }
+    r.exposed_by = p.am;
+  }
   if (!p.am->am_send(p.rank, h, nullptr, 0)) return false;
   _pending_sends[r.id] = rp;  // completes when the receiver's FIN arrives
   return true;
@@ -78,13 +86,13 @@ void Context::on_am(int peer, const MsgHdr& h, const uint8_t* payload) {
     auto it = _pending_sends.find(h.sreq);
     if (it == _pending_sends.end() || it->second->peer != peer) return peer_failed(p, "FIN for an unknown send");
     hcomm_status_t st = static_cast<hcomm_status_t>(h.status);
-    it->second->complete(st == HCOMM_OK ? HCOMM_OK : HCOMM_ERR_PEER_FAILURE,
-                         st == HCOMM_OK ? "" : "receiver could not pull the payload: " + std::string(hcomm_strerror(st)));
+    send_done(*it->second, st == HCOMM_OK ? HCOMM_OK : HCOMM_ERR_PEER_FAILURE,
+              st == HCOMM_OK ? "" : "receiver could not pull the payload: " + std::string(hcomm_strerror(st)));
     _pending_sends.erase(it);
     return;
   }
   if (std::shared_ptr<Request> r = take_posted(peer, h.tag)) {
-    deliver(*r, peer, h, payload);
+    deliver(r, peer, h, payload);
     return;
   }
   Unexpected u{peer, h, {}};
@@ -92,7 +100,15 @@ void Context::on_am(int peer, const MsgHdr& h, const uint8_t* payload) {
   _unexpected.push_back(std::move(u));
 }
 
-void Context::deliver(Request& r, int source, const MsgHdr& h, const uint8_t* payload) {
+// A rendezvous send is over: release what its lane exposed, complete it.
+void Context::send_done(Request& r, hcomm_status_t st, const std::string& why) {
+  if (r.exposed_by != nullptr) r.exposed_by->unexpose(r);
+  r.exposed_by = nullptr;
+  r.complete(st, why);
+}
+
+void Context::deliver(const std::shared_ptr<Request>& rp, int source, const MsgHdr& h, const uint8_t* payload) {
+  Request& r = *rp;
   r.info = {source, h.tag, static_cast<size_t>(h.total)};
   if (h.type == static_cast<uint32_t>(MsgType::eager)) {
     size_t n = std::min<size_t>(h.len, r.rlen);
@@ -102,7 +118,7 @@ void Context::deliver(Request& r, int source, const MsgHdr& h, const uint8_t* pa
                                 : "");
     return;
   }
-  pull(r, source, h);
+  pull(rp, source, h);
 }
 
 // The sender's registration, imported once and cached while its generation
@@ -124,14 +140,17 @@ hcomm_rkey* Context::rendezvous_key(int source, uint32_t slot, uint32_t gen) {
 }
 
 // Rendezvous: move the payload once, straight from the sender's buffer into
-// the receive buffer, then tell the sender (FIN).
-void Context::pull(Request& r, int source, const MsgHdr& h) {
+// the receive buffer; when the read is done, FIN to the sender.
+void Context::pull(const std::shared_ptr<Request>& rp, int source, const MsgHdr& h) {
+  Request& r = *rp;
   Peer& p = _peers[static_cast<size_t>(source)];
   const size_t n = std::min<size_t>(h.total, r.rlen);
-  hcomm_status_t st = HCOMM_OK;
-  std::string why;
-  bool moved = false;
-  if (n > 0 && h.src_slot != kNoSlot) {
+  auto g = std::make_shared<Request>();
+  g->peer = source;
+  g->id = next_id();
+  bool started = n == 0;
+  if (n == 0) g->complete(HCOMM_OK);
+  if (!started && h.src_slot != kNoSlot) {
     // The sender's buffer is registered shareable memory: read it through
     // its key's lane.
     hcomm_rkey* k = rendezvous_key(source, h.src_slot, h.src_gen);
@@ -144,47 +163,54 @@ void Context::pull(Request& r, int source, const MsgHdr& h) {
       a.rkey = k;
       a.roff = h.src_off;
       if (k->lane->caps().sync) {
-        moved = static_cast<bool>(k->lane->rma(a, nullptr));
+        started = static_cast<bool>(k->lane->rma(a, nullptr));
+        if (started) g->complete(HCOMM_OK);
       } else if (a.local_mem != nullptr) {
-        // An asynchronous lane, driven here to completion: only this lane is
-        // progressed (no recursion into progress(); the context lock stays held).
-        auto g = std::make_shared<Request>();
-        g->peer = source;
-        g->id = next_id();
-        Status gs = k->lane->rma(a, g);
-        Deadline gdl = Deadline::after_ms(30000);
-        while (gs && !g->done() && !gdl.expired()) {
-          k->lane->progress();
-          cpu_relax();
-        }
-        moved = gs && g->status == HCOMM_OK;
+        started = static_cast<bool>(k->lane->rma(a, g));
       }
     }
   }
-  if (!moved && n > 0) {
+  if (!started) {
     // Any other buffer: a raw zero-copy read of the sender's memory. A
     // failure other than the sender vanishing means it sent a bad address.
     Status cs = Status::error(Code::unsupported, "no transport reaching rank %d reads unregistered memory", source);
     for (Transport* t : p.rma) {
-      cs = t->read_raw(source, r.rbuf, h.addr, n);
+      cs = t->read_raw(source, r.rbuf, h.addr, h.rkey, n, g);
       if (cs.code() != Code::unsupported) break;
     }
-    if (!cs) {
-      st = cs.code() == Code::peer_failure ? HCOMM_ERR_PEER_FAILURE : HCOMM_ERR_PROTOCOL;
-      why = "rendezvous pull from rank " + std::to_string(source) + ": " + cs.message();
+    if (!cs) g->complete(cs.code() == Code::peer_failure ? HCOMM_ERR_PEER_FAILURE : HCOMM_ERR_PROTOCOL, cs.message());
+  }
+  _pulls.push_back({rp, g, source, h.sreq, h.total});
+  finish_pulls();
+}
+
+void Context::finish_pulls() {
+  for (auto it = _pulls.begin(); it != _pulls.end();) {
+    if (!it->read->done()) {
+      ++it;
+      continue;
     }
+    Request& r = *it->recv;
+    hcomm_status_t st = it->read->status;
+    std::string why;
+    if (st != HCOMM_OK) {
+      if (st != HCOMM_ERR_PEER_FAILURE) st = HCOMM_ERR_PROTOCOL;
+      why = "rendezvous pull from rank " + std::to_string(it->source) + ": " + it->read->error;
+    }
+    Peer& p = _peers[static_cast<size_t>(it->source)];
+    if (p.alive && !post_fin(p, it->sreq, st)) {
+      MsgHdr f{};
+      f.sreq = it->sreq;
+      f.status = static_cast<uint32_t>(st);
+      _fin_backlog.emplace_back(it->source, f);
+    }
+    if (st == HCOMM_OK && it->total > r.rlen) {
+      st = HCOMM_ERR_TRUNCATED;
+      why = "message of " + std::to_string(it->total) + " bytes, buffer of " + std::to_string(r.rlen);
+    }
+    r.complete(st, why);
+    it = _pulls.erase(it);
   }
-  if (!post_fin(p, h.sreq, st)) {
-    MsgHdr f{};
-    f.sreq = h.sreq;
-    f.status = static_cast<uint32_t>(st);
-    _fin_backlog.emplace_back(source, f);
-  }
-  if (st == HCOMM_OK && h.total > r.rlen) {
-    st = HCOMM_ERR_TRUNCATED;
-    why = "message of " + std::to_string(h.total) + " bytes, buffer of " + std::to_string(r.rlen);
-  }
-  r.complete(st, why);
 }
 
 Status Context::isend(int dest, const void* buf, size_t len, uint64_t tag, std::shared_ptr<Request>* out) {
@@ -245,7 +271,7 @@ Status Context::irecv(int source, void* buf, size_t len, uint64_t tag, uint64_t 
     if ((source == HCOMM_ANY_SOURCE || source == it->source) && tag_match(it->hdr.tag, tag, mask)) {
       Unexpected u = std::move(*it);
       _unexpected.erase(it);
-      deliver(*r, u.source, u.hdr, u.payload.data());
+      deliver(r, u.source, u.hdr, u.payload.data());
       return Status::ok();
     }
   }

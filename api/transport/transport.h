@@ -65,7 +65,7 @@ struct MsgHdr {
   uint32_t src_gen;
   uint64_t src_off;  // rts: offset of the buffer in that registration
   uint32_t status;   // fin: hcomm_status_t of the receiver's pull
-  uint32_t reserved;
+  uint32_t rkey;     // rts: the key of the sender's buffer on a lane that needs one (verbs)
 };
 static_assert(sizeof(MsgHdr) == 64);
 
@@ -137,10 +137,16 @@ class Transport {
   // Queues one message; false when there is no room now (try again after
   // progress). len <= caps().max_short.
   virtual bool am_send(int /*peer*/, const MsgHdr& /*h*/, const void* /*payload*/, size_t /*len*/) { return false; }
-  // A zero-copy read of [addr, addr+len) from the peer's address space into
-  // local (rendezvous of a buffer that is not shareable registered memory);
-  // unsupported when the transport cannot.
-  virtual Status read_raw(int /*peer*/, void* /*local*/, uint64_t /*addr*/, size_t /*len*/) {
+  // Rendezvous, sender side: make the send buffer of r readable by the peer
+  // (fills h.rkey); unexpose once the receiver's FIN came (or the peer failed).
+  virtual Status expose(Request& /*r*/, MsgHdr& /*h*/) { return Status::ok(); }
+  virtual void unexpose(Request& /*r*/) {}
+  // Rendezvous, receiver side: a zero-copy read of [addr, addr+len) of the
+  // peer's buffer (rkey from its RTS) into local, completing g (a synchronous
+  // lane completes it before returning); unsupported when the transport
+  // cannot.
+  virtual Status read_raw(int /*peer*/, void* /*local*/, uint64_t /*addr*/, uint32_t /*rkey*/, size_t /*len*/,
+                          const std::shared_ptr<Request>& /*g*/) {
     return Status::error(Code::unsupported, "%s cannot read a peer's unregistered memory", name());
   }
 

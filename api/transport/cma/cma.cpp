@@ -61,8 +61,11 @@ Status CmaTransport::rw(const hcomm_rkey& k, uint64_t off, void* buf, size_t len
   return cma_copy(_node.pid(k.peer), buf, k.h.addr + off, len, write);
 }
 
-Status CmaTransport::read_raw(int peer, void* local, uint64_t addr, size_t len) {
-  return cma_copy(_node.pid(peer), local, addr, len, false);
+Status CmaTransport::read_raw(int peer, void* local, uint64_t addr, uint32_t /*rkey*/, size_t len,
+                              const std::shared_ptr<Request>& g) {
+  Status st = cma_copy(_node.pid(peer), local, addr, len, false);
+  g->complete(st ? HCOMM_OK : to_hcomm(st.code()), st.message());
+  return st;
 }
 
 Status CmaTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& /*r*/) {

@@ -31,7 +31,8 @@ class CmaTransport final : public Transport {
   Status import(hcomm_rkey& k, const uint8_t* sec, size_t len) override;
   Status validate(const hcomm_rkey& k) const override { return _node.live(k.peer, k.h.slot, k.h.gen); }
   Status rma(const RmaOp& op, const std::shared_ptr<Request>& r) override;
-  Status read_raw(int peer, void* local, uint64_t addr, size_t len) override;
+  Status read_raw(int peer, void* local, uint64_t addr, uint32_t rkey, size_t len,
+                  const std::shared_ptr<Request>& g) override;
 
  private:
   // Read or write [off, off+len) of the key's memory from this CPU.
