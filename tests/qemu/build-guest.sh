@@ -4,14 +4,27 @@
 # and a busybox initramfs holding the VFIO modules, the project's binaries,
 # the shared libraries they need and tests/qemu/guest-init.sh as /init.
 #
-#   tests/qemu/build-guest.sh BUILD_DIR OUT_DIR
+#   tests/qemu/build-guest.sh BUILD_DIR OUT_DIR [rdma]
 #
 # Writes OUT_DIR/vmlinuz and OUT_DIR/initramfs.cpio. The kernel package is
 # cached in ${HCOMM_QEMU_CACHE:-OUT_DIR/cache} (one download per version).
 # Needs: apt-get (Debian's registry), dpkg-deb, busybox-static, cpio.
+#
+# The rdma flavour (third argument `rdma`, tests/qemu/run-rdma.sh) is a
+# different guest: Soft-RoCE instead of VFIO. It writes OUT_DIR/vmlinux (the
+# same kernel, uncompressed: it boots about twice as fast under TCG) and
+# OUT_DIR/initramfs-rdma.cpio: the modules rdma_rxe, virtio_net, sch_netem
+# and their dependencies; userspace unpacked from Debian packages (never
+# installed on the host; the .debs are cached in CACHE/debs): libibverbs
+# with the rxe provider, perftest, ibverbs-utils, iproute2's rdma and tc,
+# UCX's ucx_perftest, with every shared library they need, also from
+# packages; tests/qemu/rdma-init.sh as /init. It needs no project binary:
+# run-rdma.sh appends those per run (HCOMM_RDMA_FILES).
 set -euo pipefail
 build=$(cd "$1" && pwd)
 out=$(mkdir -p "$2" && cd "$2" && pwd)
+flavour=${3:-vfio}
+case "$flavour" in vfio|rdma) ;; *) echo "build-guest: unknown flavour $flavour (vfio, rdma)" >&2; exit 2 ;; esac
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${HCOMM_QEMU_CACHE:-$out/cache}
 mkdir -p "$cache"
@@ -46,6 +59,10 @@ if [ ! -d "$kdir/boot" ]; then
 fi
 kver=$(ls "$kdir/lib/modules" | head -1)
 cp "$kdir/boot/vmlinuz-$kver" "$out/vmlinuz"
+if [ "$flavour" = rdma ]; then
+  . "$here/build-rdma-guest.inc"
+  exit 0
+fi
 
 # ---- initramfs ----
 root="$out/root"
