@@ -13,6 +13,7 @@
 #include "api/transport/cma/cma.h"
 #include "api/transport/npu/npu.h"
 #include "api/transport/shm/shm.h"
+#include "api/wireup/kv_store.h"
 #include "api/wireup/mesh.h"
 #include "common/barrier.h"
 #include "common/paths.h"
@@ -98,7 +99,26 @@ Status Context::create(const hcomm_config_t& cfg, std::unique_ptr<Context>* out)
 
 Status Context::init(const hcomm_config_t& cfg) {
   LaunchInfo li;
-  HCOMM_TRY(detect_launch(&li));
+  const bool from_store = cfg.store != nullptr;
+  if (from_store) {
+    // Started by a framework that already knows the job (torch.distributed):
+    // rank and size from the config, the exchange through its store.
+    if (cfg.store->set == nullptr || cfg.store->get == nullptr)
+      return Status::error(Code::invalid_argument, "hcomm_config_t.store: set and get callbacks are required");
+    if (cfg.size < 1 || cfg.rank < 0 || cfg.rank >= cfg.size)
+      return Status::error(Code::invalid_argument, "hcomm_config_t: rank %d / size %d with a store (need 0 <= rank < size)",
+                           cfg.rank, cfg.size);
+    li.rank = cfg.rank;
+    li.size = cfg.size;
+    li.source = "store";
+    li.job_id = cfg.job_id != nullptr ? cfg.job_id : "";
+    if (const char* lr = std::getenv("LOCAL_RANK"); lr != nullptr && *lr != '\0') li.local_rank = std::atoi(lr);
+  } else {
+    if (cfg.rank >= 0 || cfg.size > 0)
+      return Status::error(Code::invalid_argument, "hcomm_config_t: rank/size without a store (set store, or neither)");
+    HCOMM_TRY(detect_launch(&li));
+  }
+  if (cfg.local_rank >= 0) li.local_rank = cfg.local_rank;
   // Every peer's hcomm_mem_alloc hands us one memfd: lift the soft fd limit
   // to the hard one so a few thousand registrations across ranks fit.
   if (rlimit rl{}; ::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
@@ -114,19 +134,23 @@ Status Context::init(const hcomm_config_t& cfg) {
       return Status::error(Code::invalid_argument, "HCOMM_PEER_CHECK_MS='%s': use 1..60000", e);
     _peer_check = std::chrono::milliseconds(v);
   }
-  HCOMM_TRY(Bootstrap::create(li, timeout_ms, &_boot));
+  if (from_store) HCOMM_TRY(Bootstrap::from_store(li.rank, li.size, li.job_id, kv_store_from_c(*cfg.store), timeout_ms, &_boot));
+  else HCOMM_TRY(Bootstrap::create(li, timeout_ms, &_boot));
   _rank = _boot->rank();
   _size = _boot->size();
   _local_rank = li.local_rank;
   _job_hash = fnv1a(_boot->job_id() + "/" + std::to_string(_size));
   Deadline dl = Deadline::after_ms(timeout_ms);
 
-  std::vector<UniqueFd> socks;
-  HCOMM_TRY(connect_mesh(*_boot, dl, &socks));
+  std::vector<MeshLink> links;
+  HCOMM_TRY(connect_mesh(*_boot, dl, &links));
   _peers.resize(static_cast<size_t>(_size));
   for (int r = 0; r < _size; ++r) {
-    _peers[static_cast<size_t>(r)].rank = r;
-    if (r != _rank) _peers[static_cast<size_t>(r)].sock = std::move(socks[static_cast<size_t>(r)]);
+    Peer& p = _peers[static_cast<size_t>(r)];
+    p.rank = r;
+    p.same_host = links[static_cast<size_t>(r)].same_host;
+    p.host = links[static_cast<size_t>(r)].host;
+    if (r != _rank) p.sock = std::move(links[static_cast<size_t>(r)].fd);
   }
   _mems.assign(kMaxRegs, nullptr);
   _slot_gen.assign(kMaxRegs, 0);
@@ -197,10 +221,10 @@ Status Context::open_transports(const hcomm_config_t& cfg, const LaunchInfo& li,
     engine = forced_npu || (have && allowed(TransportId::npu)) ? HCOMM_ENGINE_NPU : HCOMM_ENGINE_HOST;
   }
 
-  // Same-host transports ride on shm's node registry (control segments).
-  bool any_same_host = true;  // every peer shares this host until the mesh says otherwise
+  // Same-host transports ride on shm's node registry (control segments);
+  // they are opened even for a rank alone on its host (its own memory).
   if (allowed(TransportId::shm) || allowed(TransportId::cma) || engine == HCOMM_ENGINE_NPU) {
-    if (!allowed(TransportId::shm) && any_same_host)
+    if (!allowed(TransportId::shm))
       return Status::error(Code::invalid_argument,
                            "%s='%s': cma and npu need shm (its control segments validate their keys and carry "
                            "their messages)", list_src, list.c_str());

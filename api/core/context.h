@@ -78,6 +78,7 @@ struct Peer {
   int rank = -1;
   bool alive = true;
   bool same_host = true;
+  std::string host;  // host identity (api/wireup/host.h)
   std::string why_dead;
   UniqueFd sock;  // control socket (api/wireup/mesh.h): wire-up, adverts, liveness
   Transport* am = nullptr;          // messaging lane

@@ -852,15 +852,6 @@ Status connect_mesh(Bootstrap& boot, const Deadline& dl, std::vector<MeshLink>* 
   return Status::ok();
 }
 
-Status connect_mesh(Bootstrap& boot, const Deadline& dl, std::vector<UniqueFd>* peers) {
-  if (peers == nullptr) return Status::error(Code::invalid_argument, "connect_mesh: null output");
-  std::vector<MeshLink> links;
-  HCOMM_TRY(connect_mesh(boot, dl, &links));
-  peers->clear();
-  for (auto& l : links) peers->push_back(std::move(l.fd));
-  return Status::ok();
-}
-
 Status mesh_goodbye(MeshLink& link, const Deadline& dl) {
   if (!link.fd.valid()) return Status::ok();
   const int fd = link.fd.get();

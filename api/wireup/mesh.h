@@ -76,9 +76,6 @@ uint64_t mesh_job_cookie(const std::string& job_id);
 // silent fails the link within about that long. The listening sockets are
 // closed (and unlinked) before returning, success or not.
 Status connect_mesh(Bootstrap& boot, const Deadline& deadline, std::vector<MeshLink>* peers);
-// TRANSITIONAL, for callers not yet on MeshLink (api/context.cpp): the same
-// mesh, links reduced to their fds. Remove once nothing calls it.
-Status connect_mesh(Bootstrap& boot, const Deadline& deadline, std::vector<UniqueFd>* peers);
 
 // Orderly close: shuts our sending side (the peer's recv_msg sees the end,
 // peer_failure, after everything we sent), then discards whatever the peer

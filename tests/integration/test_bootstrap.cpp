@@ -180,10 +180,10 @@ TEST_P(BootstrapN, MeshPassesDescriptors) {
     Status st = Bootstrap::create(tcp_launch(me, n, port, job), 20000, &b);
     if (!st) return "create: " + st.to_string();
     Deadline dl = Deadline::after_ms(20000);
-    std::vector<UniqueFd> peers;
+    std::vector<MeshLink> peers;
     st = connect_mesh(*b, dl, &peers);
     if (!st) return "connect_mesh: " + st.to_string();
-    if (peers.size() != static_cast<size_t>(n) || peers[static_cast<size_t>(me)].valid()) return "bad peers vector";
+    if (peers.size() != static_cast<size_t>(n) || peers[static_cast<size_t>(me)].fd.valid()) return "bad peers vector";
     std::string sock = "/tmp/hcomm-" + std::to_string(::getuid()) + "/mesh-" + job + "/r" + std::to_string(me) + ".sock";
     if (std::filesystem::exists(sock)) return "listening socket not removed: " + sock;
     // To every peer: a pipe's read end, with "me->p" already written into it.
@@ -196,14 +196,14 @@ TEST_P(BootstrapN, MeshPassesDescriptors) {
       if (::write(wr.get(), payload.data(), payload.size()) != static_cast<ssize_t>(payload.size())) return "write";
       std::string msg = "from " + std::to_string(me);
       const int pass[] = {rd.get()};
-      st = send_msg(peers[static_cast<size_t>(p)].get(), msg.data(), msg.size(), pass, dl, p);
+      st = send_msg(peers[static_cast<size_t>(p)].fd.get(), msg.data(), msg.size(), pass, dl, p);
       if (!st) return "send_msg: " + st.to_string();
     }
     for (int p = 0; p < n; ++p) {
       if (p == me) continue;
       std::vector<uint8_t> m;
       std::vector<UniqueFd> got;
-      st = recv_msg(peers[static_cast<size_t>(p)].get(), &m, &got, dl, p);
+      st = recv_msg(peers[static_cast<size_t>(p)].fd.get(), &m, &got, dl, p);
       if (!st) return "recv_msg: " + st.to_string();
       if (std::string(m.begin(), m.end()) != "from " + std::to_string(p)) return "wrong message from a peer";
       if (got.size() != 1) return "expected one descriptor";
@@ -319,14 +319,14 @@ TEST(BootstrapFailure, KilledPeerIsPeerFailureOnTheMesh) {
     std::unique_ptr<Bootstrap> b;
     Status st = Bootstrap::create(tcp_launch(r, 2, port, job), 20000, &b);
     if (!st) return "create: " + st.to_string();
-    std::vector<UniqueFd> peers;
+    std::vector<MeshLink> peers;
     st = connect_mesh(*b, Deadline::after_ms(20000), &peers);
     if (!st) return "connect_mesh: " + st.to_string();
     if (r == 1) ::raise(SIGKILL);
     auto t0 = Clock::now();
     std::vector<uint8_t> m;
     std::vector<UniqueFd> fds;
-    st = recv_msg(peers[1].get(), &m, &fds, Deadline::after_ms(20000), 1);
+    st = recv_msg(peers[1].fd.get(), &m, &fds, Deadline::after_ms(20000), 1);
     return describe(st, since(t0));
   });
   EXPECT_EQ(res[1].status, 128 + SIGKILL);
