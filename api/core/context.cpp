@@ -228,6 +228,10 @@ Status Context::open_transports(const hcomm_config_t& cfg, const LaunchInfo& li,
       return Status::error(Code::invalid_argument,
                            "%s='%s': cma and npu need shm (its control segments validate their keys and carry "
                            "their messages)", list_src, list.c_str());
+    if (!allowed(TransportId::cma))
+      return Status::error(Code::invalid_argument,
+                           "%s='%s': shm needs cma (a rendezvous from a buffer that is not hcomm memory is read "
+                           "with process_vm_readv)", list_src, list.c_str());
     std::unique_ptr<ShmTransport> shm;
     HCOMM_TRY(ShmTransport::open(*this, *this, &shm));
     _shm = shm.get();
