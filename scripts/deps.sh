@@ -4,7 +4,7 @@ set -euo pipefail
 pkgs=(build-essential meson ninja-build pkg-config
       libnuma-dev libgtest-dev libgmock-dev libbenchmark-dev
       libibverbs-dev libdpdk-dev openmpi-bin libopenmpi-dev
-      qemu-system-x86 busybox-static cpio)  # qemu suite: guest with vfio-pci (tests/qemu/)
+      qemu-system-x86 busybox-static cpio xz-utils)  # qemu suite + rdma guest (tests/qemu/)
 # bench-only (bench/compare.py): scripts/deps.sh --bench
 [ "${1:-}" = "--bench" ] && pkgs+=(ucx-utils python3-matplotlib)
 missing=()

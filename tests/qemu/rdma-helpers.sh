@@ -8,6 +8,8 @@
 #   hcomm-rdma local CMD...           server and client in this guest: CMD in
 #       the background, then `CMD $HCOMM_IP` as the client (loopback).
 #   hcomm-rdma server CMD...          CMD, output kept and parsed like the others.
+#   hcomm-rdma check-binaries         every program and dlopen'd module of the image
+#       loads (ld.so --list) and every tool starts.
 #
 # Every perftest / ucx_perftest result row is repeated as
 #   HCOMM-PERF <name> <role> <row>
@@ -57,6 +59,25 @@ local)
   cat $sout
   [ $crc -ne 0 ] && exit $crc
   exit $src ;;
+check-binaries)  # every program and dlopen'd module loads; every tool starts
+  rc=0
+  for f in /usr/bin/* /usr/sbin/* /usr/lib/x86_64-linux-gnu/libibverbs/*.so /usr/lib/x86_64-linux-gnu/ucx/*.so.0; do
+    if out=$(/usr/lib64/ld-linux-x86-64.so.2 --list "$f" 2>&1) && ! echo "$out" | grep -q 'not found'; then
+      echo "loads: $f"
+    else
+      echo "DOES NOT LOAD: $f"; echo "$out"; rc=1
+    fi
+  done
+  for b in /usr/bin/ib_*_lat /usr/bin/ib_*_bw; do
+    v=$($b --version 2>&1)
+    case "$v" in *[Vv]ersion*) echo "runs: $b: $v" ;; *) echo "DOES NOT RUN: $b: $v"; rc=1 ;; esac
+  done
+  v=$(timeout 10 ucx_perftest -h 2>&1)
+  case "$v" in *Usage*) echo "runs: ucx_perftest -h: $(echo "$v" | head -1)" ;; *) echo "DOES NOT RUN: ucx_perftest -h: $v"; rc=1 ;; esac
+  for c in "rdma -V" "/usr/sbin/tc -V" "ucx_info -v" "ibv_devices" "ibv_devinfo -l"; do
+    if v=$($c 2>&1); then echo "runs: $c: $(echo "$v" | head -2 | tr '\n' ' ')"; else echo "DOES NOT RUN: $c: $v"; rc=1; fi
+  done
+  exit $rc ;;
 *)
   echo "hcomm-rdma: unknown command $cmd" >&2
   exit 2 ;;

@@ -98,6 +98,7 @@ if [ -n "${HCOMM_RDMA_CMDS:-}" ]; then
 elif [ "$mode" = loopback ]; then
   # shellcheck disable=SC2016  # expanded in the guest
   cat > "$cmds" <<'EOF'
+loopback binaries 60 hcomm-rdma check-binaries
 loopback write_lat 60 hcomm-rdma local ib_write_lat -d $HCOMM_DEV -x $HCOMM_GID -F -p 18515 -s 8 -n 200
 loopback write_bw_64k 60 hcomm-rdma local ib_write_bw -d $HCOMM_DEV -x $HCOMM_GID -F -p 18516 -s 65536 -n 100
 loopback ucx_am_lat 60 UCX_IB_GID_INDEX=$HCOMM_GID hcomm-rdma local ucx_perftest -d $HCOMM_DEV:1 -x rc_verbs -t am_lat -s 8 -n 200 -p 18517
@@ -238,7 +239,8 @@ for i in "${!names[@]}"; do
   cat "$run/$name.txt"
   case ${qrc[$i]} in
     0) ;;
-    124|137) failed "$name: guest did not finish within ${limit}s" ;;
+    124) failed "$name: guest did not finish within ${limit}s" ;;
+    137) failed "$name: guest killed (its peer was gone for ${grace}s, or from outside)" ;;
     *) failed "$name: qemu exited with status ${qrc[$i]}" ;;
   esac
   grep -q '^HCOMM-DONE' "$run/$name.txt" || failed "$name: guest did not report HCOMM-DONE"
