@@ -1,0 +1,595 @@
+// The transport seam seen through the public C API (API 0.2): which lanes
+// serve each peer (hcomm_peer_transport), HCOMM_TRANSPORTS /
+// hcomm_config_t.transports (allowed sets, refused ones, no silent
+// fallback), ranks that look like two hosts with no transport between them,
+// starting from a key-value store the job already has (hcomm_config_t.store),
+// and the packed remote key v2 (what hcomm_rkey_import refuses).
+//
+// Every rank is a real process (tests/support/ranks.h); the NPU cases start
+// their own hcomm-sim (tests/support/sim_process.h). Every wait is bounded.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <hcomm/hcomm.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/support/ranks.h"
+#include "tests/support/sim_process.h"
+
+namespace hcomm {
+namespace {
+
+using test::run_ranks;
+
+constexpr int T = 20000;  // ms: every wait in these tests is bounded
+using Env = std::vector<std::pair<std::string, std::string>>;
+
+// Variables of the parent's environment that would change what these tests
+// ask for; each test sets what it needs in its ranks.
+class CleanEnv : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    for (const char* v : {"HCOMM_TRANSPORTS", "HCOMM_ENGINE", "HCOMM_DEVICE", "HCOMM_HOST_ID", "HCOMM_SOCKET_ADDR",
+                          "HCOMM_SOCKET_IFNAME", "HCOMM_KEEPALIVE_MS", "HCOMM_PEER_CHECK_MS"})
+      ::unsetenv(v);
+  }
+};
+const auto* const g_clean_env = ::testing::AddGlobalTestEnvironment(new CleanEnv);
+
+bool contains(const char* haystack, const std::string& needle) {
+  return haystack != nullptr && std::string(haystack).find(needle) != std::string::npos;
+}
+
+hcomm_config_t config(int bootstrap_timeout_ms = 10000) {
+  hcomm_config_t c;
+  hcomm_config_init(&c);
+  c.bootstrap_timeout_ms = bootstrap_timeout_ms;
+  return c;
+}
+
+// Everyone's key for `m`, by rank, shipped over two-sided messages with `tag`.
+std::vector<hcomm_rkey_t*> exchange_keys(hcomm_context_t* ctx, hcomm_mem_t* m, uint64_t tag) {
+  const int me = hcomm_rank(ctx), n = hcomm_size(ctx);
+  uint8_t mine[HCOMM_RKEY_MAX];
+  size_t len = sizeof mine;
+  RCHECK_OK(hcomm_mem_rkey_pack(m, mine, &len));
+  RCHECK(len <= HCOMM_RKEY_MAX) << len;
+  std::vector<hcomm_request_t*> sends;
+  for (int r = 0; r < n; ++r) {
+    if (r == me) continue;
+    hcomm_request_t* q = nullptr;
+    RCHECK_OK(hcomm_isend(ctx, r, mine, len, tag, &q));
+    sends.push_back(q);
+  }
+  std::vector<hcomm_rkey_t*> keys(static_cast<size_t>(n), nullptr);
+  for (int r = 0; r < n; ++r) {
+    uint8_t blob[HCOMM_RKEY_MAX];
+    size_t blen = len;
+    if (r == me) {
+      std::memcpy(blob, mine, len);
+    } else {
+      hcomm_recv_info_t info;
+      RCHECK_OK(hcomm_recv(ctx, r, blob, sizeof blob, tag, HCOMM_TAG_MASK_ALL, &info, T));
+      blen = info.length;
+    }
+    RCHECK_OK(hcomm_rkey_import(ctx, r, blob, blen, &keys[static_cast<size_t>(r)]));
+  }
+  for (auto* q : sends) {
+    RCHECK_OK(hcomm_wait(q, T));
+    hcomm_request_free(q);
+  }
+  return keys;
+}
+
+void release_keys(std::vector<hcomm_rkey_t*>& keys) {
+  for (auto* k : keys) RCHECK_OK(hcomm_rkey_release(k));
+  keys.clear();
+}
+
+uint8_t pattern(int rank, size_t i) { return static_cast<uint8_t>(rank * 37 + i * 11 + (i >> 10)); }
+
+// Rank me sends 1 MiB from a plain (unregistered) vector to the next rank
+// (rendezvous: the receiver's raw read), and puts into the next rank's
+// hcomm_mem_alloc memory; both checked byte by byte.
+void sendrecv_and_put(hcomm_context_t* ctx, size_t msg) {
+  const int me = hcomm_rank(ctx), n = hcomm_size(ctx);
+  const int next = (me + 1) % n, prev = (me + n - 1) % n;
+  std::vector<uint8_t> sbuf(msg), rbuf(msg, 0);
+  for (size_t i = 0; i < msg; ++i) sbuf[i] = pattern(me, i);
+  hcomm_recv_info_t info{};
+  RCHECK_OK(hcomm_sendrecv(ctx, next, sbuf.data(), msg, 5, prev, rbuf.data(), msg, 5, HCOMM_TAG_MASK_ALL, &info, T));
+  RCHECK(info.source == prev && info.length == msg) << info.source << " " << info.length;
+  for (size_t i = 0; i < msg; ++i) RCHECK(rbuf[i] == pattern(prev, i)) << "byte " << i;
+
+  constexpr size_t kWin = 64 * 1024;
+  hcomm_mem_t* win = nullptr;
+  hcomm_mem_t* src = nullptr;
+  RCHECK_OK(hcomm_mem_alloc(ctx, kWin, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &win));
+  RCHECK_OK(hcomm_mem_alloc(ctx, kWin, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &src));
+  auto* s = static_cast<uint8_t*>(hcomm_mem_ptr(src));
+  for (size_t i = 0; i < kWin; ++i) s[i] = pattern(me + 100, i);
+  auto keys = exchange_keys(ctx, win, 77);
+  RCHECK_OK(hcomm_put(ctx, s, kWin, keys[static_cast<size_t>(next)], 0, T));
+  RCHECK_OK(hcomm_flush(ctx, -1, T));
+  RCHECK_OK(hcomm_barrier(ctx, T));
+  const auto* w = static_cast<const uint8_t*>(hcomm_mem_ptr(win));
+  for (size_t i = 0; i < kWin; ++i) RCHECK(w[i] == pattern(prev + 100, i)) << "window byte " << i;
+  // And back: get the next rank's window (which holds our data).
+  std::memset(s, 0, kWin);
+  RCHECK_OK(hcomm_get(ctx, s, kWin, keys[static_cast<size_t>(next)], 0, T));
+  for (size_t i = 0; i < kWin; ++i) RCHECK(s[i] == pattern(me + 100, i)) << "get byte " << i;
+  RCHECK_OK(hcomm_barrier(ctx, T));
+  release_keys(keys);
+  RCHECK_OK(hcomm_mem_release(src));
+  RCHECK_OK(hcomm_mem_release(win));
+}
+
+// ---- lanes per peer --------------------------------------------------------------------------
+
+class Lanes : public ::testing::TestWithParam<int> {};
+
+TEST_P(Lanes, HostEngineServesEveryRankWithShmAndCma) {
+  const int n = GetParam();
+  std::string err = run_ranks(n, {{"HCOMM_ENGINE", "host"}}, [&](int rank) {
+    hcomm_config_t cfg = config();
+    hcomm_context_t* ctx = nullptr;
+    RCHECK_OK(hcomm_init(&cfg, &ctx));
+    RCHECK(hcomm_rank(ctx) == rank && hcomm_size(ctx) == n);
+    RCHECK(std::string(hcomm_engine_name(ctx)) == "host") << hcomm_engine_name(ctx);
+    for (int r = 0; r < n; ++r) {
+      const char* t = hcomm_peer_transport(ctx, r);
+      RCHECK(t != nullptr && std::string(t) == "shm,cma") << "rank " << r << ": " << (t ? t : "(null)");
+    }
+    RCHECK(hcomm_peer_transport(ctx, -1) == nullptr);
+    RCHECK(hcomm_peer_transport(ctx, n) == nullptr);
+    RCHECK(hcomm_peer_transport(nullptr, 0) == nullptr);
+    RCHECK_OK(hcomm_finalize(ctx));
+  }, 60);
+  EXPECT_EQ(err, "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Lanes, ::testing::Values(2, 3),
+                         [](const ::testing::TestParamInfo<int>& i) { return std::to_string(i.param) + "ranks"; });
+
+class NpuLanes : public ::testing::TestWithParam<int> {
+ protected:
+  static void SetUpTestSuite() {
+    sim_ = new test::SimProcess();
+    std::string err = sim_->start({"--devices", "3", "--hbm", "64M"});
+    if (!err.empty()) {
+      delete sim_;
+      sim_ = nullptr;
+      FAIL() << err;
+    }
+  }
+  static void TearDownTestSuite() {
+    delete sim_;
+    sim_ = nullptr;
+  }
+  static test::SimProcess* sim_;
+};
+test::SimProcess* NpuLanes::sim_ = nullptr;
+
+TEST_P(NpuLanes, NpuEngineServesEveryRankWithShmNpuCma) {
+  ASSERT_NE(sim_, nullptr);
+  const int n = GetParam();
+  // All transports present, and all named (in another order: the list says
+  // what is allowed, not the order of preference).
+  for (const char* list : {"", "cma,npu,shm"}) {
+    std::string err = run_ranks(n, {{"HCOMM_ENGINE", "npu"}, {"HCOMM_SIM_DIR", sim_->dir()}}, [&](int rank) {
+      hcomm_config_t cfg = config();
+      if (*list != '\0') cfg.transports = list;
+      hcomm_context_t* ctx = nullptr;
+      RCHECK_OK(hcomm_init(&cfg, &ctx));
+      RCHECK(hcomm_rank(ctx) == rank);
+      RCHECK(std::string(hcomm_engine_name(ctx)) == "npu") << hcomm_engine_name(ctx);
+      for (int r = 0; r < n; ++r) {
+        const char* t = hcomm_peer_transport(ctx, r);
+        RCHECK(t != nullptr && std::string(t) == "shm,npu,cma") << "rank " << r << ": " << (t ? t : "(null)");
+      }
+      RCHECK(hcomm_peer_transport(ctx, -1) == nullptr);
+      RCHECK(hcomm_peer_transport(ctx, n) == nullptr);
+      // Packed keys of both kinds of memory fit HCOMM_RKEY_MAX (npu adds a section).
+      for (unsigned kind : {HCOMM_MEM_HOST, HCOMM_MEM_DEVICE}) {
+        hcomm_mem_t* m = nullptr;
+        RCHECK_OK(hcomm_mem_alloc(ctx, 4096, kind, HCOMM_ACCESS_ALL, &m));
+        uint8_t key[HCOMM_RKEY_MAX];
+        size_t len = sizeof key;
+        RCHECK_OK(hcomm_mem_rkey_pack(m, key, &len));
+        RCHECK(len > 0 && len <= HCOMM_RKEY_MAX) << len;
+        RCHECK_OK(hcomm_mem_release(m));
+      }
+      RCHECK_OK(hcomm_finalize(ctx));
+    }, 60);
+    EXPECT_EQ(err, "") << "transports '" << list << "'";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, NpuLanes, ::testing::Values(2, 3),
+                         [](const ::testing::TestParamInfo<int>& i) { return std::to_string(i.param) + "ranks"; });
+
+// ---- HCOMM_TRANSPORTS / hcomm_config_t.transports ------------------------------------------
+
+TEST(Transports, ShmCmaFromTheEnvironmentWorks) {
+  std::string err = run_ranks(2, {{"HCOMM_TRANSPORTS", "shm,cma"}}, [&](int) {
+    hcomm_config_t cfg = config();
+    hcomm_context_t* ctx = nullptr;
+    RCHECK_OK(hcomm_init(&cfg, &ctx));
+    RCHECK(std::string(hcomm_engine_name(ctx)) == "host") << hcomm_engine_name(ctx);
+    for (int r = 0; r < 2; ++r) RCHECK(std::string(hcomm_peer_transport(ctx, r)) == "shm,cma");
+    sendrecv_and_put(ctx, 1 << 20);
+    RCHECK_OK(hcomm_finalize(ctx));
+  }, 60);
+  EXPECT_EQ(err, "");
+}
+
+TEST(Transports, ConfigFieldWinsOverTheEnvironment) {
+  // The config names the set; the (bogus) variable is not looked at.
+  std::string err = run_ranks(2, {{"HCOMM_TRANSPORTS", "bogus"}}, [&](int) {
+    hcomm_config_t cfg = config();
+    cfg.transports = "shm,cma";
+    hcomm_context_t* ctx = nullptr;
+    RCHECK_OK(hcomm_init(&cfg, &ctx));
+    for (int r = 0; r < 2; ++r) RCHECK(std::string(hcomm_peer_transport(ctx, r)) == "shm,cma");
+    sendrecv_and_put(ctx, 1 << 20);
+    RCHECK_OK(hcomm_finalize(ctx));
+  }, 60);
+  EXPECT_EQ(err, "");
+}
+
+struct Refusal {
+  const char* name;
+  const char* list;
+  const char* engine;     // HCOMM_ENGINE, or null
+  hcomm_status_t want;    // HCOMM_OK: any failure will do
+  const char* mentions;   // hcomm_last_error() contains this
+};
+
+class Refused : public ::testing::TestWithParam<Refusal> {};
+
+// Each refused set fails hcomm_init on every rank, from the environment and
+// from the config field alike, with the status and a message naming the culprit.
+TEST_P(Refused, InitFails) {
+  const Refusal& p = GetParam();
+  for (bool from_env : {true, false}) {
+    Env env;
+    if (from_env) env.emplace_back("HCOMM_TRANSPORTS", p.list);
+    if (p.engine != nullptr) env.emplace_back("HCOMM_ENGINE", p.engine);
+    auto start = std::chrono::steady_clock::now();
+    std::string err = run_ranks(2, env, [&](int) {
+      hcomm_config_t cfg = config(5000);
+      if (!from_env) cfg.transports = p.list;
+      hcomm_context_t* ctx = nullptr;
+      hcomm_status_t st = hcomm_init(&cfg, &ctx);
+      RCHECK(st != HCOMM_OK) << "init with transports '" << p.list << "' succeeded (lanes to 0: "
+                             << hcomm_peer_transport(ctx, 0) << ")";
+      if (p.want != HCOMM_OK) {
+        RCHECK(st == p.want) << hcomm_strerror(st) << ", want " << hcomm_strerror(p.want) << ": " << hcomm_last_error();
+      }
+      RCHECK(contains(hcomm_last_error(), p.mentions))
+          << "message does not mention '" << p.mentions << "': " << hcomm_last_error();
+      RCHECK(ctx == nullptr);
+    }, 30);
+    EXPECT_EQ(err, "") << (from_env ? "HCOMM_TRANSPORTS" : "hcomm_config_t.transports") << "=" << p.list;
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sets, Refused,
+    ::testing::Values(Refusal{"bogus", "bogus", nullptr, HCOMM_ERR_INVALID, "bogus"},
+                      Refusal{"bogus_in_list", "shm,cma,bogus", nullptr, HCOMM_ERR_INVALID, "bogus"},
+                      Refusal{"shm_without_cma", "shm", nullptr, HCOMM_ERR_INVALID, "cma"},
+                      Refusal{"cma_without_shm", "cma", nullptr, HCOMM_ERR_INVALID, "shm"},
+                      // verbs (between hosts) is forced: never silently replaced by shm.
+                      Refusal{"verbs", "verbs", "host", HCOMM_OK, "verbs"},
+                      Refusal{"npu_on_host_engine", "npu", "host", HCOMM_ERR_INVALID, "npu"},
+                      Refusal{"npu_shm_cma_on_host_engine", "shm,npu,cma", "host", HCOMM_ERR_INVALID, "npu"},
+                      Refusal{"npu_engine_without_npu", "shm,cma", "npu", HCOMM_ERR_INVALID, "npu"}),
+    [](const ::testing::TestParamInfo<Refusal>& i) { return std::string(i.param.name); });
+
+// ---- two hosts, no transport between them ------------------------------------------------------
+
+// Rank 0 says it is on host "a", rank 1 on host "b": the mesh links them by
+// TCP, but shm, cma and npu reach only their own host, so with nothing that
+// crosses hosts init fails on both ranks, promptly, naming the peer.
+TEST(TwoHosts, NoCrossHostTransportFailsInitOnBoth) {
+  bool have_rdma = std::filesystem::exists("/sys/class/infiniband") &&
+                   !std::filesystem::is_empty("/sys/class/infiniband");
+  for (const char* forced : {"shm,cma", ""}) {
+    if (*forced == '\0' && have_rdma) continue;  // verbs might really connect the "hosts" here
+    Env env = {{"HCOMM_ENGINE", "host"}, {"HCOMM_SOCKET_ADDR", "127.0.0.1"}};
+    if (*forced != '\0') env.emplace_back("HCOMM_TRANSPORTS", forced);
+    auto start = std::chrono::steady_clock::now();
+    std::string err = run_ranks(2, env, [&](int rank) {
+      ::setenv("HCOMM_HOST_ID", rank == 0 ? "a" : "b", 1);
+      hcomm_config_t cfg = config(8000);
+      hcomm_context_t* ctx = nullptr;
+      hcomm_status_t st = hcomm_init(&cfg, &ctx);
+      RCHECK(st != HCOMM_OK) << "init across two hosts without a cross-host transport succeeded";
+      const std::string other = std::to_string(1 - rank);
+      RCHECK(contains(hcomm_last_error(), "rank " + other) || contains(hcomm_last_error(), rank == 0 ? "\"b\"" : "\"a\""))
+          << "message names neither rank " << other << " nor its host: " << hcomm_last_error();
+    }, 30);
+    EXPECT_EQ(err, "") << "HCOMM_TRANSPORTS=" << forced;
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
+  }
+}
+
+// ---- starting from a store ---------------------------------------------------------------------
+
+// A store the job "already has": one file per key in a directory. set writes
+// a temporary file and renames it; get polls for the file until timeout_ms.
+struct DirStore {
+  std::string dir;
+  std::atomic<int> sets{0}, gets{0};
+  static constexpr size_t kMax = 64 * 1024;
+
+  std::string path(const char* key) const {
+    std::string p = dir + "/";
+    for (const char* c = key; *c != '\0'; ++c) {
+      if (*c == '/') p += "%2F";
+      else if (*c == '%') p += "%25";
+      else p += *c;
+    }
+    return p;
+  }
+  static int set(void* arg, const char* key, const void* value, size_t len) {
+    auto* s = static_cast<DirStore*>(arg);
+    ++s->sets;
+    if (len > kMax) return 2;
+    static std::atomic<int> seq{0};
+    std::string final_path = s->path(key);
+    std::string tmp = final_path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(seq++);
+    int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) return 2;
+    const auto* b = static_cast<const uint8_t*>(value);
+    size_t done = 0;
+    while (done < len) {
+      ssize_t w = ::write(fd, b + done, len - done);
+      if (w <= 0) {
+        ::close(fd);
+        ::unlink(tmp.c_str());
+        return 2;
+      }
+      done += static_cast<size_t>(w);
+    }
+    ::close(fd);
+    return ::rename(tmp.c_str(), final_path.c_str()) == 0 ? 0 : 2;
+  }
+  static int get(void* arg, const char* key, void* value, size_t cap, size_t* len, int timeout_ms) {
+    auto* s = static_cast<DirStore*>(arg);
+    ++s->gets;
+    const std::string p = s->path(key);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(timeout_ms, 0));
+    for (;;) {
+      int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd >= 0) {
+        std::vector<uint8_t> buf(kMax + 1);
+        size_t n = 0;
+        for (;;) {
+          ssize_t r = ::read(fd, buf.data() + n, buf.size() - n);
+          if (r < 0) {
+            ::close(fd);
+            return 2;
+          }
+          if (r == 0 || (n += static_cast<size_t>(r)) == buf.size()) break;
+        }
+        ::close(fd);
+        if (n > kMax) return 2;
+        std::memcpy(value, buf.data(), std::min(n, cap));
+        *len = n;
+        return 0;
+      }
+      if (errno != ENOENT) return 2;
+      if (std::chrono::steady_clock::now() >= until) return 1;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+};
+
+class FromStore : public ::testing::TestWithParam<int> {};
+
+TEST_P(FromStore, RingAndPutGetWithoutLaunchVariables) {
+  const int n = GetParam();
+  char tmpl[] = "/tmp/hcomm-store-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  static int seq = 0;
+  const std::string job = "tstore-" + std::to_string(::getpid()) + "-" + std::to_string(seq++);
+  std::string err = run_ranks(n, {{"HCOMM_ENGINE", "host"}}, [&](int rank) {
+    // What run_ranks set up as a launch is gone: only the store and the config say who we are.
+    for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HCOMM_JOB_ID"})
+      ::unsetenv(v);
+    DirStore s;
+    s.dir = dir;
+    hcomm_kv_store_t kv{&s, &DirStore::set, &DirStore::get};
+    hcomm_config_t cfg = config();
+    cfg.rank = rank;
+    cfg.size = n;
+    cfg.local_rank = rank;
+    cfg.store = &kv;
+    cfg.job_id = job.c_str();
+    hcomm_context_t* ctx = nullptr;
+    RCHECK_OK(hcomm_init(&cfg, &ctx));
+    RCHECK(hcomm_rank(ctx) == rank && hcomm_size(ctx) == n) << hcomm_rank(ctx) << "/" << hcomm_size(ctx);
+    RCHECK(s.sets > 0 && s.gets > 0) << "the store was not used";
+    for (int r = 0; r < n; ++r) RCHECK(std::string(hcomm_peer_transport(ctx, r)) == "shm,cma");
+    sendrecv_and_put(ctx, 256 * 1024 + 3);
+    // A small (eager) ring too.
+    const int next = (rank + 1) % n, prev = (rank + n - 1) % n;
+    int sv = rank, rv = -1;
+    RCHECK_OK(hcomm_sendrecv(ctx, next, &sv, sizeof sv, 9, prev, &rv, sizeof rv, 9, HCOMM_TAG_MASK_ALL, nullptr, T));
+    RCHECK(rv == prev) << rv;
+    RCHECK_OK(hcomm_finalize(ctx));
+  }, 60);
+  EXPECT_EQ(err, "");
+  // The documented key layout: hcomm/<job>/<collective>/<rank>, #0 being the join.
+  std::set<std::string> keys;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) keys.insert(e.path().filename().string());
+  const std::string prefix = "hcomm%2F" + job + "%2F";
+  for (int r = 0; r < n; ++r)
+    EXPECT_TRUE(keys.count(prefix + "0%2F" + std::to_string(r))) << "no join key of rank " << r;
+  for (const std::string& k : keys) EXPECT_EQ(k.rfind(prefix, 0), 0u) << "key outside hcomm/<job>/: " << k;
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, FromStore, ::testing::Values(2, 3),
+                         [](const ::testing::TestParamInfo<int>& i) { return std::to_string(i.param) + "ranks"; });
+
+// Configurations refused before any exchange (checked in this process: no rank waits for another).
+TEST(FromStoreConfig, BadConfigurationsAreInvalid) {
+  DirStore s;
+  s.dir = "/nonexistent-hcomm-store";
+  hcomm_kv_store_t kv{&s, &DirStore::set, &DirStore::get};
+  hcomm_context_t* ctx = nullptr;
+
+  hcomm_config_t c = config(2000);
+  c.rank = 0;
+  c.size = 2;  // no store
+  EXPECT_EQ(hcomm_init(&c, &ctx), HCOMM_ERR_INVALID) << hcomm_last_error();
+  EXPECT_TRUE(contains(hcomm_last_error(), "store")) << hcomm_last_error();
+  c = config(2000);
+  c.size = 2;  // size alone
+  EXPECT_EQ(hcomm_init(&c, &ctx), HCOMM_ERR_INVALID) << hcomm_last_error();
+  c = config(2000);
+  c.rank = 1;  // rank alone
+  EXPECT_EQ(hcomm_init(&c, &ctx), HCOMM_ERR_INVALID) << hcomm_last_error();
+
+  for (int rank : {2, 3, -1}) {
+    c = config(2000);
+    c.rank = rank;
+    c.size = 2;
+    c.store = &kv;
+    EXPECT_EQ(hcomm_init(&c, &ctx), HCOMM_ERR_INVALID) << "rank " << rank << ": " << hcomm_last_error();
+  }
+  c = config(2000);
+  c.rank = 0;
+  c.size = 0;
+  c.store = &kv;
+  EXPECT_EQ(hcomm_init(&c, &ctx), HCOMM_ERR_INVALID) << hcomm_last_error();
+
+  hcomm_kv_store_t no_get{&s, &DirStore::set, nullptr};
+  c = config(2000);
+  c.rank = 0;
+  c.size = 2;
+  c.store = &no_get;
+  EXPECT_EQ(hcomm_init(&c, &ctx), HCOMM_ERR_INVALID) << hcomm_last_error();
+  hcomm_kv_store_t no_set{&s, nullptr, &DirStore::get};
+  c.store = &no_set;
+  EXPECT_EQ(hcomm_init(&c, &ctx), HCOMM_ERR_INVALID) << hcomm_last_error();
+  EXPECT_EQ(ctx, nullptr);
+  EXPECT_EQ(s.sets.load() + s.gets.load(), 0) << "a refused config touched the store";
+}
+
+// ---- packed keys ---------------------------------------------------------------------------------
+
+// Rank 0 owns a window and ships its key; ranks 1 and 2 import damaged
+// copies (each refused with HCOMM_ERR_PROTOCOL), and the intact key as the
+// wrong rank (HCOMM_ERR_ACCESS); the owner's memory is untouched, and the
+// intact key still works afterwards.
+TEST(PackedKey, DamagedAndMisattributedKeysAreRefused) {
+  std::string err = run_ranks(3, {{"HCOMM_ENGINE", "host"}}, [&](int rank) {
+    hcomm_config_t cfg = config();
+    hcomm_context_t* ctx = nullptr;
+    RCHECK_OK(hcomm_init(&cfg, &ctx));
+    constexpr size_t kWin = 4096;
+    hcomm_mem_t* win = nullptr;
+    RCHECK_OK(hcomm_mem_alloc(ctx, kWin, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &win));
+    auto* w = static_cast<uint8_t*>(hcomm_mem_ptr(win));
+    for (size_t i = 0; i < kWin; ++i) w[i] = pattern(rank, i);
+    uint8_t key[HCOMM_RKEY_MAX];
+    size_t len = sizeof key;
+    if (rank == 0) {
+      size_t small = 8;
+      RCHECK_EQ_STATUS(hcomm_mem_rkey_pack(win, key, &small), HCOMM_ERR_INVALID);
+      RCHECK_OK(hcomm_mem_rkey_pack(win, key, &len));
+      RCHECK(len >= 48 && len <= HCOMM_RKEY_MAX) << len;
+      for (int r = 1; r < 3; ++r) RCHECK_OK(hcomm_send(ctx, r, key, len, 1, T));
+    } else {
+      hcomm_recv_info_t info{};
+      RCHECK_OK(hcomm_recv(ctx, 0, key, sizeof key, 1, HCOMM_TAG_MASK_ALL, &info, T));
+      len = info.length;
+      RCHECK(len >= 48 && len <= HCOMM_RKEY_MAX) << len;
+      // v2 layout: 48-byte header (magic u32, version u16, kind u8, nsections u8, ...), then
+      // nsections x {u8 transport, u8 length, bytes}.
+      const uint8_t nsec = key[7];
+      RCHECK(nsec >= 1) << "a host key with no section";
+      auto refused = [&](const std::vector<uint8_t>& bad, size_t blen, const char* what) {
+        hcomm_rkey_t* k = nullptr;
+        hcomm_status_t st = hcomm_rkey_import(ctx, 0, bad.data(), blen, &k);
+        RCHECK(st == HCOMM_ERR_PROTOCOL) << what << ": " << hcomm_strerror(st) << " (" << hcomm_last_error() << ")";
+        RCHECK(k == nullptr) << what;
+      };
+      std::vector<uint8_t> good(key, key + len);
+      refused(good, len - 1, "truncated by one byte");
+      refused(good, 47, "header only in part");
+      {
+        std::vector<uint8_t> b = good;
+        b[48 + 1] = static_cast<uint8_t>(len - 48);  // the first section claims more than the blob holds
+        refused(b, len, "section overrunning the blob");
+      }
+      {
+        std::vector<uint8_t> b = good;
+        b[7] = static_cast<uint8_t>(nsec + 1);
+        refused(b, len, "nsections one too many");
+        b[7] = static_cast<uint8_t>(nsec - 1);
+        refused(b, len, "nsections one too few");
+      }
+      {
+        std::vector<uint8_t> b = good;
+        b.push_back(0);  // a trailing byte: half a section header
+        refused(b, len + 1, "trailing garbage");
+      }
+      {
+        std::vector<uint8_t> b = good;
+        uint16_t v;
+        std::memcpy(&v, b.data() + 4, 2);
+        for (uint16_t other : {static_cast<uint16_t>(v - 1), static_cast<uint16_t>(v + 1)}) {
+          std::memcpy(b.data() + 4, &other, 2);
+          refused(b, len, "version changed");
+        }
+      }
+      {
+        std::vector<uint8_t> b = good;
+        b[0] ^= 0xff;
+        refused(b, len, "magic changed");
+      }
+      // The intact key, said to come from another rank (the other importer, or ourselves).
+      for (int claimed : {3 - rank, rank}) {
+        hcomm_rkey_t* k = nullptr;
+        RCHECK_EQ_STATUS(hcomm_rkey_import(ctx, claimed, key, len, &k), HCOMM_ERR_ACCESS) << "as rank " << claimed;
+        RCHECK(k == nullptr);
+      }
+      // The intact key as rank 0's: works, and reads the owner's untouched pattern.
+      hcomm_rkey_t* k = nullptr;
+      RCHECK_OK(hcomm_rkey_import(ctx, 0, key, len, &k));
+      RCHECK(hcomm_rkey_size(k) == kWin);
+      RCHECK_OK(hcomm_get(ctx, w, kWin, k, 0, T));
+      for (size_t i = 0; i < kWin; ++i) RCHECK(w[i] == pattern(0, i)) << "byte " << i;
+      RCHECK_OK(hcomm_rkey_release(k));
+    }
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    if (rank == 0) {
+      for (size_t i = 0; i < kWin; ++i) RCHECK(w[i] == pattern(0, i)) << "owner's byte " << i << " changed";
+    }
+    RCHECK_OK(hcomm_mem_release(win));
+    RCHECK_OK(hcomm_finalize(ctx));
+  }, 60);
+  EXPECT_EQ(err, "");
+}
+
+}  // namespace
+}  // namespace hcomm
