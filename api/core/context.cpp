@@ -1,6 +1,8 @@
 // The context: bootstrap, peers, transports and lanes, progress, failure.
 #include "api/core/context.h"
 
+#include "hcomm_config.h"
+
 #include <poll.h>
 #include <sched.h>
 #include <sys/resource.h>
@@ -13,6 +15,9 @@
 #include "api/transport/cma/cma.h"
 #include "api/transport/npu/npu.h"
 #include "api/transport/shm/shm.h"
+#if HCOMM_HAVE_IBVERBS
+#include "api/transport/verbs/verbs.h"
+#endif
 #include "api/wireup/kv_store.h"
 #include "api/wireup/mesh.h"
 #include "common/barrier.h"
@@ -266,14 +271,40 @@ Status Context::open_transports(const hcomm_config_t& cfg, const LaunchInfo& li,
     }
     if (allowed(TransportId::cma)) _transports.push_back(std::make_unique<CmaTransport>(_rank, *_shm));
   }
-  if (allowed(TransportId::verbs) && std::find(forced.begin(), forced.end(), "verbs") != forced.end())
-    return Status::error(Code::unsupported, "%s names verbs: this build has no verbs transport yet", list_src);
-  return choose_lanes(forced);
+  // verbs: wanted when named, or when the job spans hosts (then every rank
+  // has a peer on another host, so every rank takes part in its wire-up).
+  const bool forced_verbs = !list.empty() && allowed(TransportId::verbs);
+  for (const Peer& p : _peers) _cross_host |= !p.same_host;
+  std::string verbs_why;
+  if (allowed(TransportId::verbs) && (forced_verbs || _cross_host)) {
+#if HCOMM_HAVE_IBVERBS
+    VerbsConfig vc;
+    std::unique_ptr<VerbsTransport> v;
+    Status vs = VerbsConfig::from_env(&vc);
+    if (vs) vs = VerbsTransport::open(*this, *this, vc, &v);
+    std::vector<bool> have;
+    HCOMM_TRY(VerbsTransport::connect(*_boot, vs ? v.get() : nullptr, vs.message(), dl, &have));
+    if (!vs && forced_verbs) return Status(vs.code(), std::string(list_src) + " names verbs: " + vs.message());
+    if (vs) {
+      _verbs = v.get();
+      _transports.push_back(std::move(v));
+    } else {
+      verbs_why = vs.message();
+    }
+    for (int r = 0; r < _size; ++r)
+      if (!have[static_cast<size_t>(r)] && (forced_verbs || !_peers[static_cast<size_t>(r)].same_host))
+        verbs_why += (verbs_why.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + " has no RDMA device";
+#else
+    verbs_why = "this build has no verbs transport (libibverbs-dev was missing at configure time)";
+    if (forced_verbs) return Status::error(Code::unsupported, "%s names verbs: %s", list_src, verbs_why.c_str());
+#endif
+  }
+  return choose_lanes(forced, verbs_why);
 }
 
 // Per peer: the first transport that carries messages and reaches it, and
 // every transport with RMA that reaches it, in order of preference.
-Status Context::choose_lanes(const std::vector<std::string>& forced) {
+Status Context::choose_lanes(const std::vector<std::string>& forced, const std::string& verbs_why) {
   for (Peer& p : _peers) {
     p.am = nullptr;
     p.rma.clear();
@@ -286,11 +317,13 @@ Status Context::choose_lanes(const std::vector<std::string>& forced) {
     if (p.am == nullptr && p.rank != _rank) {
       std::string names;
       for (const std::string& n : forced) names += (names.empty() ? "" : ",") + n;
-      return Status::error(Code::unsupported, "no transport%s%s carries messages to rank %d (%s host)",
-                           names.empty() ? "" : " of ", names.c_str(), p.rank,
-                           p.same_host ? "same" : "another");
+      return Status::error(Code::unsupported, "no transport%s%s carries messages to rank %d (%s host%s%s)%s%s",
+                           names.empty() ? "" : " of ", names.c_str(), p.rank, p.same_host ? "same" : "another",
+                           p.host.empty() ? "" : " ", p.host.c_str(), verbs_why.empty() ? "" : ": verbs: ",
+                           verbs_why.c_str());
     }
     if (p.am != nullptr) p.lanes = p.am->name();
+    // A lone rank's own memory: the lanes of its RMA.
     for (Transport* t : p.rma)
       if (t != p.am) p.lanes += std::string(p.lanes.empty() ? "" : ",") + t->name();
   }

@@ -173,7 +173,7 @@ class Context final : public AmSink {
   Status init(const hcomm_config_t& cfg);
   Status add_mem(std::unique_ptr<hcomm_mem> m, hcomm_mem** out);
   Status open_transports(const hcomm_config_t& cfg, const LaunchInfo& li, const Deadline& dl);
-  Status choose_lanes(const std::vector<std::string>& forced);
+  Status choose_lanes(const std::vector<std::string>& forced, const std::string& verbs_why);
   void drain_socket(Peer& p);
   void check_peers(bool force);
   void peer_failed(Peer& p, const std::string& why);
@@ -201,6 +201,8 @@ class Context final : public AmSink {
   std::vector<std::unique_ptr<Transport>> _transports;
   ShmTransport* _shm = nullptr;
   NpuTransport* _npu = nullptr;
+  Transport* _verbs = nullptr;
+  bool _cross_host = false;  // some peer is on another host
   // registrations
   std::vector<hcomm_mem*> _mems;              // by slot
   std::vector<uint32_t> _slot_gen;            // generation per slot: odd while registered

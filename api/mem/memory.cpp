@@ -182,7 +182,20 @@ Status Context::rkey_import(int peer, const void* buf, size_t len, hcomm_rkey** 
       if (s.id != static_cast<uint8_t>(t->id())) continue;
       Status st = t->import(*k, s.data, s.len);
       if (st) {
-        k->lane = t;
+        k->lane = k->alane = t;
+        // One atomicity agent per memory: in a job that spans hosts, NIC-
+        // reachable memory takes every rank's atomics through the NIC.
+        if (_verbs != nullptr && _cross_host && t != _verbs) {
+          for (const Sec& v : secs) {
+            if (v.id != static_cast<uint8_t>(TransportId::verbs)) continue;
+            Status vs = _verbs->import(*k, v.data, v.len);
+            if (!vs) {
+              (void)t->unimport(*k);
+              return vs;
+            }
+            k->alane = _verbs;
+          }
+        }
         *out = k.release();
         return Status::ok();
       }
@@ -211,6 +224,7 @@ Status Context::check_key(hcomm_rkey* k, uint64_t off, uint64_t len, unsigned ne
   if ((k->h.rights & need) != need)
     return Status::error(Code::access_denied, "the key lacks the right (has %#x, needs %#x)", k->h.rights, need);
   HCOMM_TRY(k->lane->validate(*k));
+  if (k->alane != k->lane) HCOMM_TRY(k->alane->validate(*k));
   const Peer& p = _peers[static_cast<size_t>(k->peer)];
   if (k->peer != _rank && !p.alive) return Status(Code::peer_failure, p.why_dead);
   return Status::ok();

@@ -60,6 +60,7 @@ struct hcomm_mem {
   hcomm::driver::DmaBuffer buf;   // host_alloc: the memfd-backed pages
   uint64_t hbm_offset = 0;        // device
   hcomm::hal::npu::Mapping npu;   // npu transport: our device's mapping of this memory
+  void* verbs_mr = nullptr;       // verbs transport: its ibv_mr
 };
 
 // An imported remote key: the peer's memory as reached through one lane.
@@ -71,4 +72,9 @@ struct hcomm_rkey {
   uint8_t* mapped = nullptr;  // shm: our mapping of the peer's memfd (own memory: borrowed pointer)
   size_t mapped_len = 0;      // bytes to munmap (0: borrowed)
   hcomm::hal::npu::Mapping npu;  // npu: our device's mapping of the peer's memory
+  uint32_t vrkey = 0;            // verbs: the NIC's remote key of the peer's registration
+  // Accumulate and fetch atomics: one atomicity agent per memory. When peers
+  // on other hosts reach this memory through the NIC, every rank's atomics
+  // on it go through the NIC too (verbs), whatever lane moves its puts.
+  hcomm::api::Transport* alane = nullptr;
 };

@@ -12,8 +12,15 @@ namespace hcomm::api {
 
 namespace abi = hal::abi;
 
+namespace {
+// Accumulate and fetch atomics go to the key's atomicity agent.
+Transport* lane_of(const hcomm_rkey& k, Rma op) {
+  return op == Rma::acc || op == Rma::fetch_add || op == Rma::cswap ? k.alane : k.lane;
+}
+}  // namespace
+
 bool Context::rma_sync(const RmaArgs& a) const {
-  return a.rkey != nullptr && a.rkey->ctx == this && a.rkey->lane != nullptr && a.rkey->lane->caps().sync &&
+  return a.rkey != nullptr && a.rkey->ctx == this && a.rkey->lane != nullptr && lane_of(*a.rkey, a.op)->caps().sync &&
          (a.notify_rkey == nullptr ||
           (a.notify_rkey->ctx == this && a.notify_rkey->lane != nullptr && a.notify_rkey->lane->caps().sync));
 }
@@ -43,7 +50,7 @@ Status Context::rma(const RmaArgs& a, std::shared_ptr<Request>* out) {
       return Status::error(Code::invalid_argument, "accumulate offset not a multiple of the element size");
   }
   HCOMM_TRY(check_key(a.rkey, a.roff, len, need));
-  Transport* lane = a.rkey->lane;
+  Transport* lane = lane_of(*a.rkey, a.op);
   Transport* nlane = nullptr;
   if (a.notify_rkey != nullptr) {
     HCOMM_TRY(check_key(a.notify_rkey, a.notify_off, 8, HCOMM_ACCESS_REMOTE_WRITE));

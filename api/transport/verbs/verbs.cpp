@@ -1,0 +1,1040 @@
+#include "api/transport/verbs/verbs.h"
+
+#include <arpa/inet.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+#include "api/core/context.h"
+#include "api/transport/shm/shm.h"
+#include "common/barrier.h"
+#include "hal/abi/reduce.h"
+
+namespace hcomm::api {
+
+namespace abi = hal::abi;
+
+namespace {
+
+const char* env(const char* n) {
+  const char* v = std::getenv(n);
+  return v != nullptr && *v != '\0' ? v : nullptr;
+}
+
+Status env_int(const char* name, int lo, int hi, int* out) {
+  const char* v = env(name);
+  if (v == nullptr) return Status::ok();
+  char* end = nullptr;
+  long x = std::strtol(v, &end, 10);
+  if (*end != '\0' || x < lo || x > hi)
+    return Status::error(Code::invalid_argument, "%s='%s': use %d..%d", name, v, lo, hi);
+  *out = static_cast<int>(x);
+  return Status::ok();
+}
+
+std::string memlock_hint() {
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_MEMLOCK, &rl) != 0) return "";
+  auto kib = [](rlim_t v) { return v == RLIM_INFINITY ? std::string("unlimited") : std::to_string(v / 1024) + " KiB"; };
+  return " (RLIMIT_MEMLOCK is " + kib(rl.rlim_cur) + ", hard " + kib(rl.rlim_max) +
+         ": registered memory is pinned; raise it with `ulimit -l unlimited`, the memlock line of "
+         "/etc/security/limits.conf, or LimitMEMLOCK= in a systemd unit)";
+}
+
+std::string gid_text(const ibv_gid& g) {
+  char buf[INET6_ADDRSTRLEN] = "?";
+  bool v4 = true;
+  for (int i = 0; i < 10; ++i) v4 &= g.raw[i] == 0;
+  v4 &= g.raw[10] == 0xff && g.raw[11] == 0xff;
+  if (v4) ::inet_ntop(AF_INET, g.raw + 12, buf, sizeof buf);
+  else ::inet_ntop(AF_INET6, g.raw, buf, sizeof buf);
+  return v4 ? std::string("::ffff:") + buf : std::string(buf);
+}
+
+int mtu_bytes(ibv_mtu m) { return 128 << static_cast<int>(m); }
+
+Code code_of(ibv_wc_status s) {
+  switch (s) {
+    case IBV_WC_SUCCESS: return Code::ok;
+    case IBV_WC_REM_ACCESS_ERR:
+    case IBV_WC_LOC_PROT_ERR: return Code::access_denied;
+    default: return Code::peer_failure;
+  }
+}
+
+constexpr uint32_t kWireMagic = 0x48434956u;  // "HCIV"
+constexpr uint16_t kWireVersion = 1;
+struct WireHdr {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t present;  // 0: this rank has no verbs; the rest is its reason
+  uint8_t gid[16];
+  uint16_t lid;
+  uint8_t mtu;  // ibv_mtu
+  uint8_t pad;
+  uint32_t psn;
+  uint64_t table_addr, locks_addr, mailbox_addr;
+  uint32_t table_rkey, locks_rkey, mailbox_rkey;
+  uint32_t nqp;  // then nqp x u32: the QPN this rank created for each rank
+};
+
+// Scratch words: 0..kFetchSlots-1 fetch results; then the import read of a
+// table entry (4 words), the revoked generation being written, the result of
+// a synchronous atomic, a notify value.
+constexpr int kFetchSlots = 1008;
+constexpr int kEntryWord = 1008;
+constexpr int kRevokeWord = 1012;
+constexpr int kAtomicWord = 1013;
+constexpr int kNotifyWord = 1014;
+constexpr int kScratchWords = 1016;
+
+}  // namespace
+
+Status VerbsConfig::from_env(VerbsConfig* out) {
+  VerbsConfig c;
+  if (const char* d = env("HCOMM_IB_DEVICE")) {
+    std::string v = d;
+    if (auto colon = v.find(':'); colon != std::string::npos) {
+      c.port = std::atoi(v.c_str() + colon + 1);
+      v.resize(colon);
+    }
+    c.device = v;
+  }
+  HCOMM_TRY(env_int("HCOMM_IB_PORT", 1, 255, &c.port));
+  if (const char* g = env("HCOMM_IB_GID")) c.gid = g;
+  HCOMM_TRY(env_int("HCOMM_IB_TIMEOUT", 1, 31, &c.timeout));
+  HCOMM_TRY(env_int("HCOMM_IB_RETRY", 0, 7, &c.retry));
+  *out = c;
+  return Status::ok();
+}
+
+VerbsTransport::VerbsTransport(Context& ctx, AmSink& sink)
+    : _ctx(ctx), _sink(sink), _rank(ctx.rank()), _size(ctx.size()) {
+  _peers.resize(static_cast<size_t>(_size));
+}
+
+Status VerbsTransport::open(Context& ctx, AmSink& sink, const VerbsConfig& cfg, std::unique_ptr<VerbsTransport>* out) {
+  std::unique_ptr<VerbsTransport> t(new VerbsTransport(ctx, sink));
+  HCOMM_TRY(t->setup(cfg));
+  *out = std::move(t);
+  return Status::ok();
+}
+
+Status VerbsTransport::reg(void* addr, size_t len, int access, ibv_mr** out, const char* what) {
+  ibv_mr* mr = ::ibv_reg_mr(_pd, addr, len, access);
+  if (mr == nullptr) {
+    int err = errno;
+    std::string hint = err == ENOMEM || err == EPERM || err == EAGAIN ? memlock_hint() : "";
+    return Status::error(err == ENOMEM || err == EAGAIN ? Code::no_resource : Code::io_error,
+                         "verbs: ibv_reg_mr(%s, %zu bytes): %s%s", what, len, std::strerror(err), hint.c_str());
+  }
+  *out = mr;
+  return Status::ok();
+}
+
+Status VerbsTransport::setup(const VerbsConfig& cfg) {
+  // Fork safety: only when rdma-core says the kernel needs it (it marks
+  // registered pages MADV_DONTFORK, which breaks forked children that touch
+  // them, e.g. data-loader workers). Current kernels answer UNNEEDED.
+  if (::ibv_is_fork_initialized() == IBV_FORK_DISABLED) (void)::ibv_fork_init();
+  int n = 0;
+  ibv_device** list = ::ibv_get_device_list(&n);
+  if (list == nullptr || n == 0) {
+    if (list != nullptr) ::ibv_free_device_list(list);
+    return Status::error(Code::not_found, "verbs: no RDMA device (ibv_get_device_list found none; for Soft-RoCE: "
+                                          "modprobe rdma_rxe; rdma link add rxe0 type rxe netdev eth0)");
+  }
+  std::string seen;
+  for (int i = 0; i < n && _dev == nullptr; ++i) {
+    const char* name = ::ibv_get_device_name(list[i]);
+    seen += std::string(seen.empty() ? "" : ", ") + name;
+    if (!cfg.device.empty() && cfg.device != name) continue;
+    ibv_context* c = ::ibv_open_device(list[i]);
+    if (c == nullptr) continue;
+    ibv_device_attr da{};
+    if (::ibv_query_device(c, &da) != 0) {
+      ::ibv_close_device(c);
+      continue;
+    }
+    for (int p = 1; p <= da.phys_port_cnt; ++p) {
+      if (cfg.port != 0 && cfg.port != p) continue;
+      ibv_port_attr pa{};
+      if (::ibv_query_port(c, static_cast<uint8_t>(p), &pa) == 0 && pa.state == IBV_PORT_ACTIVE) {
+        _dev = c;
+        _dev_attr = da;
+        _port = static_cast<uint8_t>(p);
+        _port_attr = pa;
+        _dev_name = name;
+        break;
+      }
+    }
+    if (_dev == nullptr) ::ibv_close_device(c);
+  }
+  ::ibv_free_device_list(list);
+  if (_dev == nullptr)
+    return Status::error(Code::not_found, "verbs: no active port on %s (devices: %s; HCOMM_IB_DEVICE=%s HCOMM_IB_PORT=%d)",
+                         cfg.device.empty() ? "any device" : cfg.device.c_str(), seen.c_str(),
+                         cfg.device.empty() ? "unset" : cfg.device.c_str(), cfg.port);
+  HCOMM_TRY(choose_gid(cfg));
+  _timeout = cfg.timeout;
+  _retry = cfg.retry;
+  _pd = ::ibv_alloc_pd(_dev);
+  if (_pd == nullptr) return Status::from_errno(errno, "verbs: ibv_alloc_pd");
+  const int scqe = std::min(_dev_attr.max_cqe, _size * 256 + 64);
+  const int rcqe = std::min(_dev_attr.max_cqe, _size * static_cast<int>(kRecvDepth) + 64);
+  _scq = ::ibv_create_cq(_dev, scqe, nullptr, nullptr, 0);
+  _rcq = _scq != nullptr ? ::ibv_create_cq(_dev, rcqe, nullptr, nullptr, 0) : nullptr;
+  if (_rcq == nullptr)
+    return Status::error(Code::no_resource, "verbs: ibv_create_cq: %s%s", std::strerror(errno), memlock_hint().c_str());
+  _am_mem.assign(static_cast<size_t>(_size) * (kRecvDepth + kSendRing) * kSlot, 0);
+  HCOMM_TRY(reg(_am_mem.data(), _am_mem.size(), IBV_ACCESS_LOCAL_WRITE, &_am_mr, "message buffers"));
+  _table.assign(kMaxRegs, VRegEntry{});
+  HCOMM_TRY(reg(_table.data(), _table.size() * sizeof(VRegEntry), IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ,
+                &_table_mr, "registration table"));
+  _locks.assign(kLockStripes, 0);
+  HCOMM_TRY(reg(_locks.data(), _locks.size() * 8,
+                IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_REMOTE_READ, &_locks_mr,
+                "accumulate locks"));
+  _mailbox.assign(static_cast<size_t>(_size) * kMaxRegs, 0);
+  HCOMM_TRY(reg(_mailbox.data(), _mailbox.size() * 4, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, &_mailbox_mr,
+                "revocation mailboxes"));
+  _scratch.assign(kScratchWords, 0);
+  HCOMM_TRY(reg(_scratch.data(), _scratch.size() * 8, IBV_ACCESS_LOCAL_WRITE, &_scratch_mr, "scratch"));
+  for (int i = kFetchSlots - 1; i >= 0; --i) _scratch_free.push_back(i);
+  _bounce.assign(kAccChunk, 0);
+  HCOMM_TRY(reg(_bounce.data(), _bounce.size(), IBV_ACCESS_LOCAL_WRITE, &_bounce_mr, "accumulate bounce buffer"));
+
+  std::random_device rd;
+  _psn = rd() & 0xffffff;
+  for (int r = 0; r < _size; ++r) {
+    ibv_qp_init_attr ia{};
+    ia.send_cq = _scq;
+    ia.recv_cq = _rcq;
+    ia.qp_type = IBV_QPT_RC;
+    ia.sq_sig_all = 0;
+    ia.cap.max_send_wr = std::min<uint32_t>(256, static_cast<uint32_t>(_dev_attr.max_qp_wr));
+    ia.cap.max_recv_wr = kRecvDepth + 4;
+    ia.cap.max_send_sge = 1;
+    ia.cap.max_recv_sge = 1;
+    ia.cap.max_inline_data = 256;
+    ibv_qp* qp = ::ibv_create_qp(_pd, &ia);
+    if (qp == nullptr) {
+      ia.cap.max_inline_data = 0;
+      qp = ::ibv_create_qp(_pd, &ia);
+    }
+    if (qp == nullptr)
+      return Status::error(Code::no_resource, "verbs: ibv_create_qp: %s%s", std::strerror(errno), memlock_hint().c_str());
+    _peers[static_cast<size_t>(r)].qp = qp;
+    _max_inline = ia.cap.max_inline_data;  // what the provider granted
+    ibv_qp_attr a{};
+    a.qp_state = IBV_QPS_INIT;
+    a.pkey_index = 0;
+    a.port_num = _port;
+    a.qp_access_flags = IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC;
+    if (int rc = ::ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS); rc != 0)
+      return Status::from_errno(rc, "verbs: queue pair to INIT");
+  }
+  _max_msg = _port_attr.max_msg_sz > 0 ? _port_attr.max_msg_sz : (1u << 30);
+  _caps.max_short = kEagerMax;
+  _caps.max_zcopy = _max_msg;
+  _caps.put = _caps.get = _caps.atomic64 = _caps.reduce = _caps.notify = true;
+  _caps.remote_hosts = true;
+  _caps.sync = false;
+  return Status::ok();
+}
+
+// RoCEv2 with an IPv4 address first, then RoCEv2 global IPv6; link-local and
+// RoCEv1 only when forced (HCOMM_IB_GID = an index or an address). InfiniBand
+// ports route by LID with GID index 0.
+Status VerbsTransport::choose_gid(const VerbsConfig& cfg) {
+  if (_port_attr.link_layer == IBV_LINK_LAYER_INFINIBAND && cfg.gid.empty()) {
+    _gid_index = 0;
+    if (::ibv_query_gid(_dev, _port, 0, &_gid) != 0) return Status::from_errno(errno, "verbs: ibv_query_gid");
+    _gid_desc = "gid 0 (IB " + gid_text(_gid) + ") lid " + std::to_string(_port_attr.lid);
+    return Status::ok();
+  }
+  int best = -1, best_score = 99;
+  ibv_gid_entry best_e{};
+  std::string table;
+  for (int i = 0; i < _port_attr.gid_tbl_len; ++i) {
+    ibv_gid_entry e{};
+    if (::ibv_query_gid_ex(_dev, _port, static_cast<uint32_t>(i), &e, 0) != 0) continue;
+    bool zero = true;
+    for (uint8_t b : e.gid.raw) zero &= b == 0;
+    if (zero) continue;
+    bool v4 = true;
+    for (int j = 0; j < 10; ++j) v4 &= e.gid.raw[j] == 0;
+    v4 &= e.gid.raw[10] == 0xff && e.gid.raw[11] == 0xff;
+    const bool ll = e.gid.raw[0] == 0xfe && (e.gid.raw[1] & 0xc0) == 0x80;
+    const bool v2 = e.gid_type == IBV_GID_TYPE_ROCE_V2;
+    int score = v2 && v4 ? 0 : v2 && !ll ? 1 : v2 ? 2 : 3;
+    table += " " + std::to_string(i) + "=" + (v2 ? "v2:" : "v1:") + gid_text(e.gid);
+    bool pick = false;
+    if (!cfg.gid.empty()) {
+      if (cfg.gid.find_first_not_of("0123456789") == std::string::npos) {
+        pick = std::atoi(cfg.gid.c_str()) == i;
+      } else {
+        in_addr a4{};
+        in6_addr a6{};
+        if (::inet_pton(AF_INET, cfg.gid.c_str(), &a4) == 1) pick = v4 && std::memcmp(e.gid.raw + 12, &a4, 4) == 0;
+        else if (::inet_pton(AF_INET6, cfg.gid.c_str(), &a6) == 1) pick = std::memcmp(e.gid.raw, &a6, 16) == 0;
+      }
+      if (pick) score = -1;
+    } else if (score > 1) {
+      continue;  // link-local or RoCEv1: only when forced
+    }
+    if (score < best_score) {
+      best = i;
+      best_score = score;
+      best_e = e;
+    }
+  }
+  if (best < 0 || (!cfg.gid.empty() && best_score != -1))
+    return Status::error(Code::not_found, "verbs: %s:%u has no %s GID (table:%s)", _dev_name.c_str(), _port,
+                         cfg.gid.empty() ? "RoCEv2 IPv4 or global IPv6" : ("HCOMM_IB_GID=" + cfg.gid).c_str(),
+                         table.empty() ? " empty" : table.c_str());
+  _gid_index = best;
+  _gid = best_e.gid;
+  _gid_desc = "gid " + std::to_string(best) + " (" +
+              (best_e.gid_type == IBV_GID_TYPE_ROCE_V2 ? "RoCEv2 " : "RoCEv1 ") + gid_text(_gid) + ")";
+  return Status::ok();
+}
+
+std::string VerbsTransport::describe() const {
+  return _dev_name + ":" + std::to_string(_port) + " " + _gid_desc + " mtu " +
+         std::to_string(mtu_bytes(_port_attr.active_mtu));
+}
+
+VerbsTransport::~VerbsTransport() {
+  for (auto& [id, op] : _ops)
+    if (op.own_mr != nullptr) ::ibv_dereg_mr(op.own_mr);
+  for (VPeer& p : _peers)
+    if (p.qp != nullptr) ::ibv_destroy_qp(p.qp);
+  for (ibv_mr* mr : {_am_mr, _table_mr, _locks_mr, _mailbox_mr, _scratch_mr, _bounce_mr})
+    if (mr != nullptr) ::ibv_dereg_mr(mr);
+  if (_rcq != nullptr) ::ibv_destroy_cq(_rcq);
+  if (_scq != nullptr) ::ibv_destroy_cq(_scq);
+  if (_pd != nullptr) ::ibv_dealloc_pd(_pd);
+  if (_dev != nullptr) ::ibv_close_device(_dev);
+}
+
+// ---- wire-up ------------------------------------------------------------------------------
+
+std::string VerbsTransport::wire_blob() const {
+  WireHdr h{};
+  h.magic = kWireMagic;
+  h.version = kWireVersion;
+  h.present = 1;
+  std::memcpy(h.gid, _gid.raw, 16);
+  h.lid = _port_attr.lid;
+  h.mtu = static_cast<uint8_t>(_port_attr.active_mtu);
+  h.psn = _psn;
+  h.table_addr = reinterpret_cast<uint64_t>(_table.data());
+  h.locks_addr = reinterpret_cast<uint64_t>(_locks.data());
+  h.mailbox_addr = reinterpret_cast<uint64_t>(_mailbox.data());
+  h.table_rkey = _table_mr->rkey;
+  h.locks_rkey = _locks_mr->rkey;
+  h.mailbox_rkey = _mailbox_mr->rkey;
+  h.nqp = static_cast<uint32_t>(_size);
+  std::string b(reinterpret_cast<const char*>(&h), sizeof h);
+  for (const VPeer& p : _peers) {
+    uint32_t q = p.qp->qp_num;
+    b.append(reinterpret_cast<const char*>(&q), 4);
+  }
+  return b;
+}
+
+Status VerbsTransport::connect(Bootstrap& boot, VerbsTransport* self, const std::string& absent, const Deadline& dl,
+                               std::vector<bool>* have) {
+  std::string mine;
+  if (self != nullptr) {
+    mine = self->wire_blob();
+  } else {
+    WireHdr h{};
+    h.magic = kWireMagic;
+    h.version = kWireVersion;
+    mine.assign(reinterpret_cast<const char*>(&h), sizeof h);
+    mine += absent.substr(0, 1024);
+  }
+  std::vector<std::string> all;
+  HCOMM_TRY(boot.allgather(mine, &all, dl));
+  const int n = boot.size();
+  have->assign(static_cast<size_t>(n), false);
+  std::vector<WireHdr> hs(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    const std::string& b = all[static_cast<size_t>(r)];
+    WireHdr& h = hs[static_cast<size_t>(r)];
+    if (b.size() < sizeof h) return Status::error(Code::protocol_error, "verbs wire-up from rank %d: %zu bytes", r, b.size());
+    std::memcpy(&h, b.data(), sizeof h);
+    if (h.magic != kWireMagic || h.version != kWireVersion)
+      return Status::error(Code::protocol_error, "verbs wire-up from rank %d: magic %#x version %u (this build: %u)", r,
+                           h.magic, h.version, kWireVersion);
+    if (h.present == 0) continue;
+    if (h.nqp != static_cast<uint32_t>(n) || b.size() != sizeof h + 4u * n)
+      return Status::error(Code::protocol_error, "verbs wire-up from rank %d: %u queue pairs for %d ranks", r, h.nqp, n);
+    (*have)[static_cast<size_t>(r)] = true;
+  }
+  if (self == nullptr) return Status::ok();
+  for (int r = 0; r < n; ++r) {
+    if (!(*have)[static_cast<size_t>(r)]) continue;
+    const WireHdr& h = hs[static_cast<size_t>(r)];
+    uint32_t qpn;
+    std::memcpy(&qpn, all[static_cast<size_t>(r)].data() + sizeof h + 4u * self->_rank, 4);
+    ibv_gid g;
+    std::memcpy(g.raw, h.gid, 16);
+    VPeer& p = self->_peers[static_cast<size_t>(r)];
+    p.table_addr = h.table_addr;
+    p.locks_addr = h.locks_addr;
+    p.mailbox_addr = h.mailbox_addr;
+    p.table_rkey = h.table_rkey;
+    p.locks_rkey = h.locks_rkey;
+    p.mailbox_rkey = h.mailbox_rkey;
+    HCOMM_TRY(self->bring_up(r, qpn, g, h.lid, static_cast<ibv_mtu>(h.mtu), h.psn));
+  }
+  // Drivers have misreported atomics: check the NIC's once, on our own lock
+  // word through the loopback queue pair (0 -> +7 -> back to 0).
+  uint64_t old = 1;
+  VPeer& me = self->_peers[static_cast<size_t>(self->_rank)];
+  HCOMM_TRY(self->sync_atomic(self->_rank, IBV_WR_ATOMIC_FETCH_AND_ADD, me.locks_addr, me.locks_rkey, 7, 0, &old));
+  uint64_t old2 = 0;
+  HCOMM_TRY(self->sync_atomic(self->_rank, IBV_WR_ATOMIC_CMP_AND_SWP, me.locks_addr, me.locks_rkey, 7, 0, &old2));
+  if (old != 0 || old2 != 7 || self->_locks[0] != 0)
+    return Status::error(Code::device_error,
+                         "verbs: %s failed the atomics self-test (fetch_add returned %lu, compare_swap %lu, word %lu)",
+                         self->_dev_name.c_str(), static_cast<unsigned long>(old), static_cast<unsigned long>(old2),
+                         static_cast<unsigned long>(self->_locks[0]));
+  return Status::ok();
+}
+
+Status VerbsTransport::bring_up(int peer, uint32_t qpn, const ibv_gid& gid, uint16_t lid, ibv_mtu mtu, uint32_t psn) {
+  VPeer& p = _peers[static_cast<size_t>(peer)];
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_RTR;
+  a.path_mtu = std::min(mtu, _port_attr.active_mtu);  // the smaller of the two ports'
+  a.dest_qp_num = qpn;
+  a.rq_psn = psn;
+  a.max_dest_rd_atomic = static_cast<uint8_t>(std::min(16, _dev_attr.max_qp_rd_atom));
+  a.min_rnr_timer = 12;
+  a.ah_attr.port_num = _port;
+  a.ah_attr.dlid = lid;
+  if (_port_attr.link_layer != IBV_LINK_LAYER_INFINIBAND || _gid_index > 0) {
+    a.ah_attr.is_global = 1;
+    a.ah_attr.grh.dgid = gid;
+    a.ah_attr.grh.sgid_index = static_cast<uint8_t>(_gid_index);
+    a.ah_attr.grh.hop_limit = 64;
+  }
+  if (int rc = ::ibv_modify_qp(p.qp, &a,
+                               IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                                   IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
+      rc != 0)
+    return Status::from_errno(rc, "verbs: queue pair to rank " + std::to_string(peer) + " to RTR");
+  ibv_qp_attr s{};
+  s.qp_state = IBV_QPS_RTS;
+  s.timeout = static_cast<uint8_t>(_timeout);
+  s.retry_cnt = static_cast<uint8_t>(_retry);
+  s.rnr_retry = 7;
+  s.sq_psn = _psn;
+  s.max_rd_atomic = static_cast<uint8_t>(std::min(16, _dev_attr.max_qp_rd_atom));
+  if (int rc = ::ibv_modify_qp(p.qp, &s,
+                               IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+                                   IBV_QP_MAX_QP_RD_ATOMIC);
+      rc != 0)
+    return Status::from_errno(rc, "verbs: queue pair to rank " + std::to_string(peer) + " to RTS");
+  for (uint32_t i = 0; i < kRecvDepth; ++i) {
+    ibv_sge sge{reinterpret_cast<uint64_t>(recv_buf(peer, i)), kSlot, _am_mr->lkey};
+    ibv_recv_wr wr{};
+    wr.wr_id = wr_id(peer, i);
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    if (int rc = ::ibv_post_recv(p.qp, &wr, &bad); rc != 0) return Status::from_errno(rc, "verbs: ibv_post_recv");
+  }
+  p.credits = kRecvDepth;
+  p.up = true;
+  return Status::ok();
+}
+
+uint8_t* VerbsTransport::recv_buf(int peer, uint32_t i) const {
+  return const_cast<uint8_t*>(_am_mem.data()) + (static_cast<size_t>(peer) * kRecvDepth + i) * kSlot;
+}
+uint8_t* VerbsTransport::send_buf(int peer, uint32_t i) const {
+  return const_cast<uint8_t*>(_am_mem.data()) +
+         (static_cast<size_t>(_size) * kRecvDepth + static_cast<size_t>(peer) * kSendRing + i) * kSlot;
+}
+
+// ---- posting and completions --------------------------------------------------------------
+
+Status VerbsTransport::post(int peer, ibv_send_wr& wr, Op op, bool signalled) {
+  VPeer& p = _peers[static_cast<size_t>(peer)];
+  if (!p.up) return Status::error(Code::peer_failure, "verbs: the queue pair to rank %d is down", peer);
+  // Room in the send queue: unsignalled requests hold their entries until a
+  // later signalled one completes.
+  Deadline dl = Deadline::after_ms(30000);
+  while (p.sq_posted - p.sq_retired + 1 >= 255) {
+    poll_send();
+    if (!p.up) return Status::error(Code::peer_failure, "verbs: the queue pair to rank %d is down", peer);
+    if (dl.expired()) return Status::error(Code::no_resource, "verbs: send queue to rank %d full until the deadline", peer);
+    cpu_relax();
+  }
+  const uint64_t id = wr_id(peer, p.sq_posted);
+  wr.wr_id = id;
+  if (signalled) wr.send_flags |= IBV_SEND_SIGNALED;
+  wr.next = nullptr;
+  ibv_send_wr* bad = nullptr;
+  if (int rc = ::ibv_post_send(p.qp, &wr, &bad); rc != 0)
+    return Status::from_errno(rc, "verbs: ibv_post_send to rank " + std::to_string(peer));
+  ++p.sq_posted;
+  if (signalled) {
+    _ops.emplace(id, std::move(op));
+    p.unsignaled = 0;
+  } else {
+    ++p.unsignaled;
+  }
+  return Status::ok();
+}
+
+Status VerbsTransport::post_rdma(int peer, ibv_wr_opcode opc, void* local, uint32_t lkey, uint64_t raddr, uint32_t rkey,
+                                 size_t len, const std::shared_ptr<Request>& r, ibv_mr* own_mr) {
+  auto* l = static_cast<uint8_t*>(local);
+  size_t off = 0;
+  do {
+    const size_t n = std::min<size_t>(len - off, _max_msg);
+    ibv_sge sge{reinterpret_cast<uint64_t>(l + off), static_cast<uint32_t>(n), lkey};
+    ibv_send_wr wr{};
+    wr.opcode = opc;
+    wr.sg_list = &sge;
+    wr.num_sge = n > 0 ? 1 : 0;
+    wr.wr.rdma.remote_addr = raddr + off;
+    wr.wr.rdma.rkey = rkey;
+    if (opc == IBV_WR_RDMA_WRITE && n <= _max_inline) wr.send_flags |= IBV_SEND_INLINE;
+    Op op;
+    op.r = r;
+    off += n;
+    if (off == len) op.own_mr = own_mr;  // released with the last piece (completions come in order)
+    ++r->outstanding;
+    Status st = post(peer, wr, std::move(op), true);
+    if (!st) {
+      --r->outstanding;
+      if (off == len && own_mr != nullptr) ::ibv_dereg_mr(own_mr);
+      return st;
+    }
+  } while (off < len);
+  return Status::ok();
+}
+
+void VerbsTransport::complete_op(uint64_t id, const ibv_wc& wc) {
+  const int peer = static_cast<int>(id >> 40);
+  VPeer& p = _peers[static_cast<size_t>(peer)];
+  p.sq_retired = std::max<uint64_t>(p.sq_retired, (id & ((1ull << 40) - 1)) + 1);  // in order: every earlier one is done
+  auto it = _ops.find(id);
+  if (it == _ops.end()) return;
+  Op op = std::move(it->second);
+  _ops.erase(it);
+  if (op.sync) {
+    _sync_done[id] = wc;
+    if (wc.status != IBV_WC_SUCCESS && p.up)
+      _sink.on_peer_failed(peer, std::string("verbs queue pair failed: ") + ::ibv_wc_status_str(wc.status));
+    return;
+  }
+  if (op.own_mr != nullptr) ::ibv_dereg_mr(op.own_mr);
+  if (op.scratch >= 0) {
+    if (wc.status == IBV_WC_SUCCESS && op.result != nullptr)
+      *op.result = std::atomic_ref<uint64_t>(_scratch[static_cast<size_t>(op.scratch)]).load(std::memory_order_acquire);
+    _scratch_free.push_back(op.scratch);
+  }
+  Request* r = op.r.get();
+  if (wc.status != IBV_WC_SUCCESS) {
+    if (r != nullptr)
+      r->complete(to_hcomm(code_of(wc.status)), std::string("verbs: ") + ::ibv_wc_status_str(wc.status) +
+                                                    " on the queue pair to rank " + std::to_string(peer));
+    if (p.up) {
+      // The queue pair is in error and flushes everything behind: the pair
+      // is gone (see "refused keys" in verbs.h: the NIC never sees one).
+      _sink.on_peer_failed(peer, std::string("verbs queue pair failed: ") + ::ibv_wc_status_str(wc.status));
+    }
+  } else if (op.notify_addr != 0 && r != nullptr && !r->done()) {
+    // The data is acknowledged, so placed at the target: now the word.
+    uint64_t v = op.notify_value;
+    ibv_sge sge{reinterpret_cast<uint64_t>(&v), 8, 0};
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_RDMA_WRITE;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.wr.rdma.remote_addr = op.notify_addr;
+    wr.wr.rdma.rkey = op.notify_rkey;
+    Op nop;
+    nop.r = op.r;
+    if (_max_inline >= 8) {
+      wr.send_flags |= IBV_SEND_INLINE;
+    } else {
+      _scratch[kNotifyWord] = v;
+      sge.addr = reinterpret_cast<uint64_t>(&_scratch[kNotifyWord]);
+      sge.lkey = _scratch_mr->lkey;
+    }
+    ++r->outstanding;
+    Status st = post(peer, wr, std::move(nop), true);
+    if (!st) {
+      --r->outstanding;
+      r->complete(to_hcomm(st.code()), st.message());
+    }
+  }
+  if (r != nullptr && r->outstanding > 0 && --r->outstanding == 0) r->complete(HCOMM_OK);
+}
+
+void VerbsTransport::poll_send() {
+  ibv_wc wc[32];
+  int n;
+  while ((n = ::ibv_poll_cq(_scq, 32, wc)) > 0)
+    for (int i = 0; i < n; ++i) complete_op(wc[i].wr_id, wc[i]);
+}
+
+void VerbsTransport::poll_recv() {
+  ibv_wc wc[32];
+  int n;
+  while ((n = ::ibv_poll_cq(_rcq, 32, wc)) > 0) {
+    for (int i = 0; i < n; ++i) {
+      const int peer = static_cast<int>(wc[i].wr_id >> 40);
+      const uint32_t slot = static_cast<uint32_t>(wc[i].wr_id & 0xffffffffu);
+      if (peer < 0 || peer >= _size || slot >= kRecvDepth) continue;
+      VPeer& p = _peers[static_cast<size_t>(peer)];
+      if (wc[i].status != IBV_WC_SUCCESS) {
+        if (p.up && wc[i].status != IBV_WC_WR_FLUSH_ERR)
+          _sink.on_peer_failed(peer, std::string("verbs receive failed: ") + ::ibv_wc_status_str(wc[i].status));
+        continue;
+      }
+      if (wc[i].wc_flags & IBV_WC_WITH_IMM) p.credits += ntohl(wc[i].imm_data);
+      const uint8_t* buf = recv_buf(peer, slot);
+      if (wc[i].byte_len > 0 && p.up) {
+        MsgHdr h;
+        if (wc[i].byte_len < sizeof h) {
+          _sink.on_peer_failed(peer, "verbs: short message (" + std::to_string(wc[i].byte_len) + " bytes)");
+          continue;
+        }
+        std::memcpy(&h, buf, sizeof h);  // copy once, then validate the copy
+        const size_t body = wc[i].byte_len - sizeof h;
+        const bool eager = h.type == static_cast<uint32_t>(MsgType::eager);
+        if (h.type < static_cast<uint32_t>(MsgType::eager) || h.type > static_cast<uint32_t>(MsgType::fin) ||
+            (eager && (h.len != body || h.len != h.total || h.len > kEagerMax)) || (!eager && body != 0)) {
+          _sink.on_peer_failed(peer, "garbled verbs message (type " + std::to_string(h.type) + ", " +
+                                         std::to_string(wc[i].byte_len) + " bytes)");
+          continue;
+        }
+        _sink.on_am(peer, h, buf + sizeof h);
+      }
+      if (!p.up) continue;
+      // Give the buffer back to the queue pair, and the credit to the peer.
+      ibv_sge sge{reinterpret_cast<uint64_t>(buf), kSlot, _am_mr->lkey};
+      ibv_recv_wr wr{};
+      wr.wr_id = wc[i].wr_id;
+      wr.sg_list = &sge;
+      wr.num_sge = 1;
+      ibv_recv_wr* bad = nullptr;
+      if (int rc = ::ibv_post_recv(p.qp, &wr, &bad); rc != 0) {
+        _sink.on_peer_failed(peer, std::string("verbs: ibv_post_recv: ") + std::strerror(rc));
+        continue;
+      }
+      ++p.grant_owed;
+    }
+  }
+}
+
+bool VerbsTransport::send_credit(int peer) {
+  VPeer& p = _peers[static_cast<size_t>(peer)];
+  if (p.credits < 1 || !p.up) return false;
+  ibv_send_wr wr{};
+  wr.opcode = IBV_WR_SEND_WITH_IMM;
+  wr.num_sge = 0;
+  wr.imm_data = htonl(p.grant_owed);
+  const bool sig = p.unsignaled + 1 >= kSignalEvery;
+  if (!post(peer, wr, Op{}, sig)) return false;
+  --p.credits;
+  p.grant_owed = 0;
+  return true;
+}
+
+void VerbsTransport::progress() {
+  poll_send();
+  poll_recv();
+  for (int r = 0; r < _size; ++r) {
+    VPeer& p = _peers[static_cast<size_t>(r)];
+    if (p.up && p.grant_owed >= kRecvDepth / 2) (void)send_credit(r);
+  }
+}
+
+Status VerbsTransport::sync_wait(uint64_t id, const Deadline& dl, const char* what) {
+  for (;;) {
+    poll_send();
+    if (auto it = _sync_done.find(id); it != _sync_done.end()) {
+      ibv_wc wc = it->second;
+      _sync_done.erase(it);
+      if (wc.status == IBV_WC_SUCCESS) return Status::ok();
+      return Status::error(code_of(wc.status), "verbs: %s: %s", what, ::ibv_wc_status_str(wc.status));
+    }
+    if (dl.expired()) return Status::error(Code::timeout, "verbs: %s still in flight at the deadline", what);
+    cpu_relax();
+  }
+}
+
+Status VerbsTransport::sync_rdma(int peer, ibv_wr_opcode opc, void* local, uint32_t lkey, uint64_t raddr, uint32_t rkey,
+                                 size_t len, const char* what) {
+  auto* l = static_cast<uint8_t*>(local);
+  for (size_t off = 0; off < len;) {
+    const size_t n = std::min<size_t>(len - off, _max_msg);
+    ibv_sge sge{reinterpret_cast<uint64_t>(l + off), static_cast<uint32_t>(n), lkey};
+    ibv_send_wr wr{};
+    wr.opcode = opc;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.wr.rdma.remote_addr = raddr + off;
+    wr.wr.rdma.rkey = rkey;
+    Op op;
+    op.sync = true;
+    const uint64_t id = wr_id(peer, _peers[static_cast<size_t>(peer)].sq_posted);
+    HCOMM_TRY(post(peer, wr, std::move(op), true));
+    HCOMM_TRY(sync_wait(id, Deadline::after_ms(30000), what));
+    off += n;
+  }
+  return Status::ok();
+}
+
+Status VerbsTransport::sync_atomic(int peer, ibv_wr_opcode opc, uint64_t raddr, uint32_t rkey, uint64_t compare_add,
+                                   uint64_t swap, uint64_t* old) {
+  uint64_t* slot = &_scratch[kAtomicWord];
+  ibv_sge sge{reinterpret_cast<uint64_t>(slot), 8, _scratch_mr->lkey};
+  ibv_send_wr wr{};
+  wr.opcode = opc;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.wr.atomic.remote_addr = raddr;
+  wr.wr.atomic.rkey = rkey;
+  wr.wr.atomic.compare_add = compare_add;
+  wr.wr.atomic.swap = swap;
+  Op op;
+  op.sync = true;
+  const uint64_t id = wr_id(peer, _peers[static_cast<size_t>(peer)].sq_posted);
+  HCOMM_TRY(post(peer, wr, std::move(op), true));
+  HCOMM_TRY(sync_wait(id, Deadline::after_ms(30000), "atomic"));
+  *old = std::atomic_ref<uint64_t>(*slot).load(std::memory_order_acquire);
+  return Status::ok();
+}
+
+// ---- memory ---------------------------------------------------------------------------------
+
+Status VerbsTransport::mem_add(hcomm_mem& m) {
+  if (m.kind == MemKind::device) return Status::ok();  // HBM is not host memory the NIC can pin
+  int acc = IBV_ACCESS_LOCAL_WRITE;
+  if (m.access & HCOMM_ACCESS_REMOTE_READ) acc |= IBV_ACCESS_REMOTE_READ;
+  if (m.access & HCOMM_ACCESS_REMOTE_WRITE) acc |= IBV_ACCESS_REMOTE_WRITE;
+  if (m.access & HCOMM_ACCESS_REMOTE_ATOMIC) acc |= IBV_ACCESS_REMOTE_ATOMIC;
+  ibv_mr* mr = nullptr;
+  HCOMM_TRY(reg(m.ptr, m.size, acc, &mr, "registered memory"));
+  m.verbs_mr = mr;
+  VRegEntry& e = _table[m.slot];
+  e.addr = reinterpret_cast<uint64_t>(m.ptr);
+  e.size = m.size;
+  e.rights = m.access;
+  e.rkey = mr->rkey;
+  std::atomic_ref<uint64_t>(e.gen).store(m.gen, std::memory_order_release);
+  return Status::ok();
+}
+
+void VerbsTransport::mem_remove(hcomm_mem& m) {
+  if (m.verbs_mr == nullptr) return;
+  // Revoke: the table entry, our own mailbox, then every peer's mailbox by an
+  // RDMA WRITE, waited for (bounded) before the NIC forgets the memory.
+  std::atomic_ref<uint64_t>(_table[m.slot].gen).store(m.gen + 1, std::memory_order_release);
+  std::atomic_ref<uint32_t>(_mailbox[static_cast<size_t>(_rank) * kMaxRegs + m.slot])
+      .store(m.gen, std::memory_order_release);
+  (void)flush(-1, Deadline::after_ms(30000));  // our own operations using it as a local buffer
+  _scratch[kRevokeWord] = m.gen;
+  std::vector<uint64_t> ids;
+  for (int r = 0; r < _size; ++r) {
+    VPeer& p = _peers[static_cast<size_t>(r)];
+    if (r == _rank || !p.up) continue;
+    ibv_sge sge{reinterpret_cast<uint64_t>(&_scratch[kRevokeWord]), 4, _scratch_mr->lkey};
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_RDMA_WRITE;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.wr.rdma.remote_addr = p.mailbox_addr + (static_cast<uint64_t>(_rank) * kMaxRegs + m.slot) * 4;
+    wr.wr.rdma.rkey = p.mailbox_rkey;
+    Op op;
+    op.sync = true;
+    ids.push_back(wr_id(r, p.sq_posted));
+    if (!post(r, wr, std::move(op), true)) ids.pop_back();
+  }
+  for (uint64_t id : ids) (void)sync_wait(id, Deadline::after_ms(5000), "revocation write");
+  ::ibv_dereg_mr(static_cast<ibv_mr*>(m.verbs_mr));
+  m.verbs_mr = nullptr;
+}
+
+bool VerbsTransport::pack(const hcomm_mem& m, uint8_t* sec, size_t* len) const {
+  if (m.verbs_mr == nullptr) return false;
+  const uint32_t rkey = static_cast<ibv_mr*>(m.verbs_mr)->rkey;
+  std::memcpy(sec, &rkey, 4);
+  *len = 4;
+  return true;
+}
+
+Status VerbsTransport::import(hcomm_rkey& k, const uint8_t* sec, size_t len) {
+  if (len != 4) return Status::error(Code::protocol_error, "rkey_import: verbs section of %zu bytes", len);
+  if (static_cast<MemKind>(k.h.kind) == MemKind::device)
+    return Status::error(Code::protocol_error, "rkey_import: verbs section on device memory");
+  uint32_t rkey;
+  std::memcpy(&rkey, sec, 4);
+  // The owner's registration as its table says now (the target takes no part:
+  // an RDMA READ of the 32-byte entry).
+  VRegEntry e{};
+  if (k.peer == _rank) {
+    e = _table[k.h.slot];
+  } else {
+    VPeer& p = _peers[static_cast<size_t>(k.peer)];
+    if (!p.up) return Status::error(Code::unsupported, "verbs: no queue pair to rank %d", k.peer);
+    HCOMM_TRY(sync_rdma(k.peer, IBV_WR_RDMA_READ, &_scratch[kEntryWord], _scratch_mr->lkey,
+                        p.table_addr + static_cast<uint64_t>(k.h.slot) * sizeof(VRegEntry), p.table_rkey,
+                        sizeof(VRegEntry), "reading the owner's registration table"));
+    std::memcpy(&e, &_scratch[kEntryWord], sizeof e);
+  }
+  if (e.gen != k.h.gen || (e.gen & 1u) == 0)
+    return Status::error(Code::access_denied, "rkey_import: key of rank %d is revoked or stale (slot %u)", k.peer,
+                         k.h.slot);
+  if (e.addr != k.h.addr || e.size != k.h.size || (k.h.rights & ~e.rights) != 0 || e.rkey != rkey)
+    return Status::error(Code::access_denied, "rkey_import: key does not match rank %d's registration (forged?)",
+                         k.peer);
+  k.vrkey = rkey;
+  return validate(k);
+}
+
+Status VerbsTransport::validate(const hcomm_rkey& k) const {
+  const uint32_t revoked = std::atomic_ref<const uint32_t>(
+                               _mailbox[static_cast<size_t>(k.peer) * kMaxRegs + k.h.slot])
+                               .load(std::memory_order_acquire);
+  if (revoked != 0 && revoked >= k.h.gen)
+    return Status::error(Code::access_denied, "the key was revoked by rank %d", k.peer);
+  return Status::ok();
+}
+
+Status VerbsTransport::lkey_of(const void* p, size_t len, uint32_t* lkey, ibv_mr** own) {
+  *own = nullptr;
+  const hcomm_mem* m = _ctx.find_local(p, len);
+  if (m != nullptr && m->verbs_mr != nullptr) {
+    *lkey = static_cast<ibv_mr*>(m->verbs_mr)->lkey;
+    return Status::ok();
+  }
+  HCOMM_TRY(reg(const_cast<void*>(p), len, IBV_ACCESS_LOCAL_WRITE, own, "a local buffer"));
+  *lkey = (*own)->lkey;
+  return Status::ok();
+}
+
+// ---- one-sided --------------------------------------------------------------------------------
+
+Status VerbsTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& r) {
+  hcomm_rkey& k = *a.rkey;
+  const uint64_t raddr = k.h.addr + a.roff;
+  switch (a.op) {
+    case Rma::put:
+    case Rma::get: {
+      uint32_t lkey = 0;
+      ibv_mr* own = nullptr;
+      HCOMM_TRY(lkey_of(a.local, a.len, &lkey, &own));
+      if (a.op == Rma::get) return post_rdma(k.peer, IBV_WR_RDMA_READ, a.local, lkey, raddr, k.vrkey, a.len, r, own);
+      HCOMM_TRY(post_rdma(k.peer, IBV_WR_RDMA_WRITE, a.local, lkey, raddr, k.vrkey, a.len, r, own));
+      if (a.notify_rkey != nullptr) {
+        // The word goes out when the last data WRITE completed (complete_op).
+        auto it = _ops.find(wr_id(k.peer, _peers[static_cast<size_t>(k.peer)].sq_posted - 1));
+        if (it != _ops.end()) {
+          it->second.notify_addr = a.notify_rkey->h.addr + a.notify_off;
+          it->second.notify_rkey = a.notify_rkey->vrkey;
+          it->second.notify_value = a.notify_value;
+        }
+      }
+      return Status::ok();
+    }
+    case Rma::notify: {
+      uint64_t v = a.operand;
+      _scratch[kNotifyWord] = v;
+      return post_rdma(k.peer, IBV_WR_RDMA_WRITE, &_scratch[kNotifyWord], _scratch_mr->lkey, raddr, k.vrkey, 8,
+                       r, nullptr);
+    }
+    case Rma::acc: {
+      Status st = accumulate(a);
+      r->complete(st ? HCOMM_OK : to_hcomm(st.code()), st.message());
+      return st;
+    }
+    case Rma::fetch_add:
+    case Rma::cswap: {
+      if (_scratch_free.empty()) {
+        Deadline dl = Deadline::after_ms(30000);
+        while (_scratch_free.empty() && !dl.expired()) poll_send();
+        if (_scratch_free.empty()) return Status::error(Code::no_resource, "verbs: no free fetch-result slot");
+      }
+      const int slot = _scratch_free.back();
+      _scratch_free.pop_back();
+      ibv_sge sge{reinterpret_cast<uint64_t>(&_scratch[static_cast<size_t>(slot)]), 8, _scratch_mr->lkey};
+      ibv_send_wr wr{};
+      wr.opcode = a.op == Rma::fetch_add ? IBV_WR_ATOMIC_FETCH_AND_ADD : IBV_WR_ATOMIC_CMP_AND_SWP;
+      wr.sg_list = &sge;
+      wr.num_sge = 1;
+      wr.wr.atomic.remote_addr = raddr;
+      wr.wr.atomic.rkey = k.vrkey;
+      wr.wr.atomic.compare_add = a.op == Rma::fetch_add ? a.operand : a.compare;
+      wr.wr.atomic.swap = a.operand;
+      if (a.fence) wr.send_flags |= IBV_SEND_FENCE;
+      Op op;
+      op.r = r;
+      op.result = a.old_value;
+      op.scratch = slot;
+      ++r->outstanding;
+      Status st = post(k.peer, wr, std::move(op), true);
+      if (!st) {
+        --r->outstanding;
+        _scratch_free.push_back(slot);
+      }
+      return st;
+    }
+  }
+  return Status::error(Code::invalid_argument, "verbs: unknown operation");
+}
+
+// remote[i] = remote[i] op local[i] without a NIC reduce: under the owner's
+// lock word for the registration's stripe (NIC compare-swap 0 -> rank+1),
+// READ the range into the bounce buffer, reduce, WRITE it back, release
+// (compare-swap rank+1 -> 0); each step waits for its completion, so the
+// release is ordered after the data. Every rank's accumulate on this memory,
+// the owner's included, takes the same lock word through the NIC.
+Status VerbsTransport::accumulate(const RmaOp& a) {
+  const hcomm_rkey& k = *a.rkey;
+  VPeer& p = _peers[static_cast<size_t>(k.peer)];
+  const auto dt = static_cast<abi::DType>(a.dtype);
+  const size_t es = abi::dtype_size(dt);
+  const uint64_t lock = p.locks_addr + (k.h.slot % kLockStripes) * 8;
+  const uint64_t me = static_cast<uint64_t>(_rank) + 1;
+  Deadline dl = Deadline::after_ms(30000);
+  for (size_t off = 0; off < a.len;) {
+    const size_t n = std::min(a.len - off, kAccChunk - kAccChunk % es);
+    for (uint64_t old = 1;;) {
+      HCOMM_TRY(sync_atomic(k.peer, IBV_WR_ATOMIC_CMP_AND_SWP, lock, p.locks_rkey, 0, me, &old));
+      if (old == 0) break;
+      if (dl.expired())
+        return Status::error(Code::timeout, "accumulate lock of rank %d held by rank %lu until the deadline", k.peer,
+                             static_cast<unsigned long>(old - 1));
+      poll_recv();  // keep our own inbound traffic moving while we wait
+    }
+    const uint64_t raddr = k.h.addr + a.roff + off;
+    Status st = sync_rdma(k.peer, IBV_WR_RDMA_READ, _bounce.data(), _bounce_mr->lkey, raddr, k.vrkey, n,
+                          "accumulate read");
+    if (st) {
+      abi::reduce(dt, static_cast<abi::RedOp>(a.redop), _bounce.data(), a.local + off, n / es);
+      st = sync_rdma(k.peer, IBV_WR_RDMA_WRITE, _bounce.data(), _bounce_mr->lkey, raddr, k.vrkey, n,
+                     "accumulate write");
+    }
+    uint64_t was = 0;
+    Status rel = sync_atomic(k.peer, IBV_WR_ATOMIC_CMP_AND_SWP, lock, p.locks_rkey, me, 0, &was);
+    HCOMM_TRY(st);
+    HCOMM_TRY(rel);
+    if (was != me)
+      return Status::error(Code::protocol_error, "accumulate lock of rank %d was %lu, not ours (%lu)", k.peer,
+                           static_cast<unsigned long>(was), static_cast<unsigned long>(me));
+    off += n;
+  }
+  return Status::ok();
+}
+
+Status VerbsTransport::flush(int peer, const Deadline& dl) {
+  for (;;) {
+    poll_send();
+    bool busy = false;
+    for (auto& [id, op] : _ops) busy |= !op.sync && (peer < 0 || static_cast<int>(id >> 40) == peer);
+    if (!busy) return Status::ok();
+    if (dl.expired()) return Status::error(Code::timeout, "flush: RDMA operations still in flight at the deadline");
+    cpu_relax();
+  }
+}
+
+// ---- messaging --------------------------------------------------------------------------------
+
+bool VerbsTransport::am_send(int peer, const MsgHdr& h, const void* payload, size_t len) {
+  VPeer& p = _peers[static_cast<size_t>(peer)];
+  if (!p.up || p.credits <= 1) return false;  // the last credit is for credit messages
+  const uint32_t idx = static_cast<uint32_t>(p.am_posted % kSendRing);
+  if (p.am_posted >= kSendRing && p.am_slot_seq[idx] >= p.sq_retired) {
+    poll_send();
+    if (p.am_slot_seq[idx] >= p.sq_retired) return false;
+  }
+  uint8_t* slot = send_buf(peer, idx);
+  std::memcpy(slot, &h, sizeof h);
+  if (len > 0) std::memcpy(slot + sizeof h, payload, len);
+  const uint32_t total = static_cast<uint32_t>(sizeof h + len);
+  ibv_sge sge{reinterpret_cast<uint64_t>(slot), total, _am_mr->lkey};
+  ibv_send_wr wr{};
+  wr.opcode = IBV_WR_SEND_WITH_IMM;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.imm_data = htonl(p.grant_owed);
+  if (total <= _max_inline) wr.send_flags |= IBV_SEND_INLINE;
+  // Signal every kSignalEvery-th send, and when the ring is about to wrap
+  // onto slots no completion has retired yet.
+  const bool sig = p.unsignaled + 1 >= kSignalEvery;
+  const uint64_t seq = p.sq_posted;
+  if (!post(peer, wr, Op{}, sig)) return false;
+  p.am_slot_seq[idx] = seq;
+  ++p.am_posted;
+  --p.credits;
+  p.grant_owed = 0;
+  return true;
+}
+
+Status VerbsTransport::expose(Request& r, MsgHdr& h) {
+  const hcomm_mem* m = _ctx.find_local(r.sbuf, r.slen);
+  if (m != nullptr && m->verbs_mr != nullptr) {
+    h.rkey = static_cast<ibv_mr*>(m->verbs_mr)->rkey;
+    return Status::ok();
+  }
+  // Any other buffer: registered for this message, deregistered at FIN.
+  ibv_mr* mr = nullptr;
+  HCOMM_TRY(reg(const_cast<uint8_t*>(r.sbuf), r.slen, IBV_ACCESS_REMOTE_READ, &mr, "a send buffer"));
+  h.rkey = mr->rkey;
+  r.exposed = mr;
+  return Status::ok();
+}
+
+void VerbsTransport::unexpose(Request& r) {
+  if (r.exposed != nullptr) ::ibv_dereg_mr(static_cast<ibv_mr*>(r.exposed));
+  r.exposed = nullptr;
+}
+
+Status VerbsTransport::read_raw(int peer, void* local, uint64_t addr, uint32_t rkey, size_t len,
+                                const std::shared_ptr<Request>& g) {
+  if (!_peers[static_cast<size_t>(peer)].up) return Status::error(Code::unsupported, "verbs: no queue pair to rank %d", peer);
+  uint32_t lkey = 0;
+  ibv_mr* own = nullptr;
+  HCOMM_TRY(lkey_of(local, len, &lkey, &own));
+  return post_rdma(peer, IBV_WR_RDMA_READ, local, lkey, addr, rkey, len, g, own);
+}
+
+void VerbsTransport::peer_failed(int peer, const std::string& why) {
+  VPeer& p = _peers[static_cast<size_t>(peer)];
+  if (!p.up) return;
+  p.up = false;
+  // Stop the NIC touching anything for this pair before buffers are released.
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_ERR;
+  (void)::ibv_modify_qp(p.qp, &a, IBV_QP_STATE);
+  for (auto it = _ops.begin(); it != _ops.end();) {
+    if (static_cast<int>(it->first >> 40) != peer || it->second.sync) {
+      ++it;
+      continue;
+    }
+    Op& op = it->second;
+    if (op.own_mr != nullptr) ::ibv_dereg_mr(op.own_mr);
+    if (op.scratch >= 0) _scratch_free.push_back(op.scratch);
+    if (op.r) op.r->complete(HCOMM_ERR_PEER_FAILURE, why);
+    it = _ops.erase(it);
+  }
+}
+
+}  // namespace hcomm::api

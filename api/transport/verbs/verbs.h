@@ -1,0 +1,195 @@
+// verbs: RDMA through rdma-core (libibverbs), one RC queue pair per peer
+// (the rank itself included: its own memory goes through the NIC when the
+// NIC is the atomicity agent). Kernel bypass: posting and polling are user
+// space (the provider's rings); only setup calls enter the kernel.
+//
+// Messaging: SEND_WITH_IMM of a 64-byte MsgHdr + up to kEagerMax bytes from
+// a per-peer ring of registered bounce slots into receive buffers the peer
+// pre-posted (kRecvDepth per pair). Credit-based flow control: a sender
+// spends one credit per SEND and never sends without one (so no RNR NAK in
+// normal operation); the receiver returns credits in the immediate data of
+// its own sends, or alone (a zero-length SEND) once half its buffers were
+// consumed; one buffer per pair is kept for those credit messages. AM SENDs
+// are signalled every kSignalEvery posts (a completion retires every earlier
+// slot of that queue pair).
+// Rendezvous: the sender exposes its buffer (its registration if it is hcomm
+// memory, else an ibv_reg_mr for this message, deregistered at FIN), the
+// receiver RDMA READs it straight into the receive buffer (registered the
+// same way), then sends FIN.
+// One-sided: put = RDMA WRITE (inline when it fits), get = RDMA READ, both
+// split at the port's max message size; fetch_add / compare_swap = the NIC's
+// 64-bit atomics; put_notify = the data WRITE, and only once it completed
+// (acknowledged: placed at the target) the WRITE of the notify word;
+// accumulate = under the owner's lock word (taken and released with NIC
+// compare-swap): READ, reduce here, WRITE, in chunks of kAccChunk.
+// Keys: each rank publishes its registrations in a table peers can RDMA READ
+// (import checks the key against it: forged, stale and revoked keys are
+// refused before anything is posted) and holds a revocation mailbox per
+// peer: releasing memory RDMA WRITEs the revoked generation into every
+// peer's mailbox and waits for those writes to complete before the memory
+// is deregistered, so a revoked key is refused locally, by a load, and the
+// NIC never sees it (a remote access NAK would break the pair).
+#pragma once
+
+#include <infiniband/verbs.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "api/transport/transport.h"
+#include "api/wireup/bootstrap.h"
+#include "common/time.h"
+
+namespace hcomm::api {
+
+class Context;
+
+struct VerbsConfig {
+  std::string device;     // HCOMM_IB_DEVICE ("" = first with an active port)
+  int port = 0;           // HCOMM_IB_PORT (0 = first active)
+  std::string gid;        // HCOMM_IB_GID: an index or an IP address ("" = automatic)
+  int timeout = 14;       // HCOMM_IB_TIMEOUT: local ACK timeout, 4.096 us * 2^timeout
+  int retry = 7;          // HCOMM_IB_RETRY: transport retries (0..7)
+  static Status from_env(VerbsConfig* out);
+};
+
+class VerbsTransport final : public Transport {
+ public:
+  static constexpr uint32_t kRecvDepth = 32;
+  static constexpr uint32_t kSendRing = 64;
+  static constexpr uint32_t kSlot = 4096;
+  static constexpr uint32_t kEagerMax = kSlot - sizeof(MsgHdr);
+  static constexpr uint32_t kSignalEvery = 16;
+  static constexpr size_t kAccChunk = 1u << 20;
+
+  // Opens the device, port and GID, the protection domain, completion queues,
+  // the registration table and mailboxes, and one queue pair per rank.
+  static Status open(Context& ctx, AmSink& sink, const VerbsConfig& cfg, std::unique_ptr<VerbsTransport>* out);
+  ~VerbsTransport() override;
+  // Collective: every rank that wanted verbs calls it (absent = a rank whose
+  // open failed, why in `absent`); exchanges QPN, GID, PSN, MTU and table
+  // addresses through the bootstrap, brings every queue pair to RTS, posts
+  // the receive buffers and self-tests the NIC's atomics.
+  static Status connect(Bootstrap& boot, VerbsTransport* self, const std::string& absent, const Deadline& dl,
+                        std::vector<bool>* have);
+
+  TransportId id() const override { return TransportId::verbs; }
+  const Caps& caps() const override { return _caps; }
+  bool reaches(int peer, bool /*same_host*/) const override { return _peers[static_cast<size_t>(peer)].up; }
+  Status mem_add(hcomm_mem& m) override;
+  void mem_remove(hcomm_mem& m) override;
+  bool pack(const hcomm_mem& m, uint8_t* sec, size_t* len) const override;
+  Status import(hcomm_rkey& k, const uint8_t* sec, size_t len) override;
+  Status validate(const hcomm_rkey& k) const override;
+  Status rma(const RmaOp& op, const std::shared_ptr<Request>& r) override;
+  Status flush(int peer, const Deadline& dl) override;
+  bool am_send(int peer, const MsgHdr& h, const void* payload, size_t len) override;
+  Status expose(Request& r, MsgHdr& h) override;
+  void unexpose(Request& r) override;
+  Status read_raw(int peer, void* local, uint64_t addr, uint32_t rkey, size_t len,
+                  const std::shared_ptr<Request>& g) override;
+  void progress() override;
+  void peer_failed(int peer, const std::string& why) override;
+
+  const std::string& device_name() const { return _dev_name; }
+  // "rxe0:1 gid 1 (RoCEv2 ::ffff:10.0.0.1) mtu 1024"
+  std::string describe() const;
+
+ private:
+  struct Op {  // one signalled work request in flight
+    std::shared_ptr<Request> r;
+    ibv_mr* own_mr = nullptr;     // registered for this operation only
+    // put_notify: posted once the data WRITE completed
+    uint64_t notify_addr = 0, notify_value = 0;
+    uint32_t notify_rkey = 0;
+    uint64_t* result = nullptr;   // fetch atomics: copy the scratch slot here
+    int scratch = -1;
+    bool sync = false;            // a synchronous wait owns it (sync_done)
+  };
+  struct VPeer {
+    ibv_qp* qp = nullptr;
+    bool up = false;
+    uint32_t credits = 0;         // receive buffers the peer has for us
+    uint32_t grant_owed = 0;      // buffers we reposted and have not told the peer about
+    uint64_t sq_posted = 0, sq_retired = 0;  // work requests on this QP (seq numbers)
+    uint64_t am_posted = 0, am_slot_seq[kSendRing] = {};  // AM ring: seq of the WR using each slot
+    uint32_t unsignaled = 0;
+    // the peer's table, locks and our mailbox there
+    uint64_t table_addr = 0, locks_addr = 0, mailbox_addr = 0;
+    uint32_t table_rkey = 0, locks_rkey = 0, mailbox_rkey = 0;
+  };
+  VerbsTransport(Context& ctx, AmSink& sink);
+  Status setup(const VerbsConfig& cfg);
+  Status choose_gid(const VerbsConfig& cfg);
+  Status reg(void* addr, size_t len, int access, ibv_mr** out, const char* what);
+  Status bring_up(int peer, uint32_t qpn, const ibv_gid& gid, uint16_t lid, ibv_mtu mtu, uint32_t psn);
+  std::string wire_blob() const;
+  Status post(int peer, ibv_send_wr& wr, Op op, bool signalled);
+  Status post_rdma(int peer, ibv_wr_opcode opc, void* local, uint32_t lkey, uint64_t raddr, uint32_t rkey, size_t len,
+                   const std::shared_ptr<Request>& r, ibv_mr* own_mr);
+  bool send_credit(int peer);
+  void poll_send();
+  void poll_recv();
+  void complete_op(uint64_t wr_id, const ibv_wc& wc);
+  Status sync_wait(uint64_t wr_id, const Deadline& dl, const char* what);
+  Status sync_rdma(int peer, ibv_wr_opcode opc, void* local, uint32_t lkey, uint64_t raddr, uint32_t rkey, size_t len,
+                   const char* what);
+  Status sync_atomic(int peer, ibv_wr_opcode opc, uint64_t raddr, uint32_t rkey, uint64_t compare_add, uint64_t swap,
+                     uint64_t* old);
+  Status accumulate(const RmaOp& a);
+  Status lkey_of(const void* p, size_t len, uint32_t* lkey, ibv_mr** own);
+  uint64_t wr_id(int peer, uint64_t seq) const { return (uint64_t(uint32_t(peer)) << 40) | (seq & ((1ull << 40) - 1)); }
+  uint8_t* recv_buf(int peer, uint32_t i) const;
+  uint8_t* send_buf(int peer, uint32_t i) const;
+
+  Context& _ctx;
+  AmSink& _sink;
+  Caps _caps;
+  int _rank, _size;
+  std::string _dev_name;
+  ibv_context* _dev = nullptr;
+  ibv_pd* _pd = nullptr;
+  ibv_cq* _scq = nullptr;
+  ibv_cq* _rcq = nullptr;
+  uint8_t _port = 1;
+  ibv_port_attr _port_attr{};
+  ibv_device_attr _dev_attr{};
+  int _gid_index = -1;
+  ibv_gid _gid{};
+  std::string _gid_desc;
+  uint32_t _max_inline = 0;
+  uint32_t _max_msg = 0;
+  uint32_t _psn = 0;
+  int _timeout = 14, _retry = 7;
+  std::vector<VPeer> _peers;
+  // AM buffers: recv [size][kRecvDepth][kSlot], then send [size][kSendRing][kSlot]
+  std::vector<uint8_t> _am_mem;
+  ibv_mr* _am_mr = nullptr;
+  // registration table (RegEntry x kMaxRegs) + lock words, readable/atomic by peers
+  struct VRegEntry {
+    uint64_t gen;  // odd while registered
+    uint64_t addr;
+    uint64_t size;
+    uint32_t rights;
+    uint32_t rkey;
+  };
+  std::vector<VRegEntry> _table;  // followed by locks in _locks
+  std::vector<uint64_t> _locks;
+  ibv_mr* _table_mr = nullptr;
+  ibv_mr* _locks_mr = nullptr;
+  // revocation mailboxes: [owner rank][slot] = highest revoked generation
+  std::vector<uint32_t> _mailbox;
+  ibv_mr* _mailbox_mr = nullptr;
+  // scratch: fetch results, import reads, accumulate bounce
+  std::vector<uint64_t> _scratch;
+  ibv_mr* _scratch_mr = nullptr;
+  std::vector<int> _scratch_free;
+  std::vector<uint8_t> _bounce;
+  ibv_mr* _bounce_mr = nullptr;
+  std::map<uint64_t, Op> _ops;          // signalled work requests by wr_id
+  std::map<uint64_t, ibv_wc> _sync_done;  // completions that a synchronous wait collects
+};
+
+}  // namespace hcomm::api
