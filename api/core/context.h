@@ -59,6 +59,7 @@ struct Request {
   // rendezvous send: what the messaging lane exposed for the receiver's read
   void* exposed = nullptr;
   Transport* exposed_by = nullptr;
+  uint32_t exposed_rkey = 0;
   bool done() const { return status != HCOMM_IN_PROGRESS; }
   void complete(hcomm_status_t st, const std::string& why = "") {
     if (done()) return;

@@ -223,7 +223,7 @@ TEST_P(NpuLanes, NpuEngineServesEveryRankWithShmNpuCma) {
 // disagrees with the owner's registry entry) and nothing of rank 2's memory
 // may be read. DISABLED: api/transport/npu/npu.cpp imports the fabric index
 // unchecked today (see the report that came with this test).
-TEST_P(NpuLanes, DISABLED_ForgedFabricIndexIsRefused) {
+TEST_P(NpuLanes, ForgedFabricIndexIsRefused) {
   ASSERT_NE(sim_, nullptr);
   if (GetParam() != 3) GTEST_SKIP() << "needs 3 ranks";
   std::string err = run_ranks(3, {{"HCOMM_ENGINE", "npu"}, {"HCOMM_SIM_DIR", sim_->dir()}}, [&](int rank) {

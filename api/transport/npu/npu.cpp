@@ -130,6 +130,11 @@ Status NpuTransport::import(hcomm_rkey& k, const uint8_t* sec, size_t len) {
   uint32_t fabric = 0;
   if (len != sizeof fabric) return Status::error(Code::protocol_error, "rkey_import: npu section of %zu bytes", len);
   std::memcpy(&fabric, sec, sizeof fabric);
+  // The section repeats what the owner's registry holds; a different value
+  // is a forged key aiming at another device's memory.
+  if (fabric != _node.fabric_of(k.peer, k.h.slot))
+    return Status::error(Code::access_denied, "rkey_import: key does not match rank %d's registration (fabric index)",
+                         k.peer);
   const uint32_t rights = att_rights(k.h.rights);
   if (rights == 0) return Status::ok();  // a key with no remote right: every access fails the rights check first
   switch (static_cast<MemKind>(k.h.kind)) {

@@ -114,6 +114,8 @@ class ShmTransport final : public Transport {
   void revoke(const hcomm_mem& m);
   // The key's header matches the owner's live entry (import time).
   Status check_entry(int peer, const RkeyHeader& h) const;
+  // The owner's NPU on the fabric, as its registry says (never from a key).
+  uint32_t fabric_of(int peer, uint32_t slot) const { return seg(peer)->regs[slot].fabric_index; }
   // The owner's entry still has generation gen (every access).
   Status live(int peer, uint32_t slot, uint32_t gen) const;
   // A wire key for the owner's live registration (rendezvous pulls).
