@@ -8,7 +8,7 @@
 #
 # Writes OUT_DIR/vmlinuz and OUT_DIR/initramfs.cpio. The kernel package is
 # cached in ${HCOMM_QEMU_CACHE:-OUT_DIR/cache} (one download per version).
-# Needs: apt-get (Debian's registry), dpkg-deb, busybox-static, cpio.
+# Needs: apt-get (Debian's registry), dpkg-deb, busybox-static, cpio (rdma: also xz, readelf).
 #
 # The rdma flavour (third argument `rdma`, tests/qemu/run-rdma.sh) is a
 # different guest: Soft-RoCE instead of VFIO. It writes OUT_DIR/vmlinux (the

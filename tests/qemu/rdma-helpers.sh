@@ -23,6 +23,10 @@ perf_rows() {  # perf_rows ROLE FILE
 }
 refused() { grep -q -e "Couldn't connect" -e 'Connection refused' -e 'No route to host' "$1"; }
 
+# Benchmarks busy-poll; at nice 19 the kernel threads rxe defers work to
+# (ksoftirqd, kworkers) preempt them at once instead of at the next tick.
+# (busybox has renice, not nice; what this shell starts inherits it.)
+renice -n "${HCOMM_RDMA_NICE:-19}" -p $$ >/dev/null
 cmd=$1
 shift
 case "$cmd" in
