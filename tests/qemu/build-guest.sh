@@ -53,9 +53,9 @@ if [ -z "$deb" ]; then
 fi
 kdir="$cache/${kpkg}"
 if [ ! -d "$kdir/boot" ]; then
-  rm -rf "$kdir.tmp" && mkdir -p "$kdir.tmp"
-  dpkg-deb -x "$deb" "$kdir.tmp"
-  mv "$kdir.tmp" "$kdir"
+  ktmp=$(mktemp -d "$kdir.XXXXXX")  # builds side by side each unpack, the first one's stays
+  dpkg-deb -x "$deb" "$ktmp"
+  mv -T "$ktmp" "$kdir" 2>/dev/null || rm -rf "$ktmp"
 fi
 kver=$(ls "$kdir/lib/modules" | head -1)
 cp "$kdir/boot/vmlinuz-$kver" "$out/vmlinuz"
