@@ -579,6 +579,41 @@ TEST_P(Api, RemoteKeysAreCheckedOnEveryAccess) {
     RCHECK_EQ_STATUS(hcomm_put(ctx, lp, 8, wk[right], 0, T), HCOMM_ERR_ACCESS) << "revoked key still works";
     RCHECK_EQ_STATUS(hcomm_get(ctx, lp, 8, wk[right], 0, T), HCOMM_ERR_ACCESS);
     RCHECK_OK(hcomm_barrier(ctx, T));
+    const int left = (me + n - 1) % n;
+    auto* lp64 = reinterpret_cast<uint64_t*>(lp);
+    if (std::string(hcomm_engine_name(ctx)) != "npu") {  // registered user memory: not on the NPU engine
+      // A revoked key on memory that lives on: the owner's bytes are untouched.
+      std::vector<uint64_t> keep(8, 0xabababababababab);
+      hcomm_mem_t* km = nullptr;
+      RCHECK_OK(hcomm_mem_register(ctx, keep.data(), keep.size() * 8, HCOMM_ACCESS_ALL, &km));
+      auto kk = exchange_keys(ctx, km, 76);
+      RCHECK_OK(hcomm_barrier(ctx, T));
+      RCHECK_OK(hcomm_mem_release(km));
+      RCHECK_OK(hcomm_barrier(ctx, T));
+      lp64[0] = 1;
+      RCHECK_EQ_STATUS(hcomm_put(ctx, lp, 8, kk[right], 0, T), HCOMM_ERR_ACCESS) << "revoked key on live memory";
+      uint64_t old_v = 0;
+      RCHECK_EQ_STATUS(hcomm_fetch_add(ctx, kk[right], 8, 1, &old_v, T), HCOMM_ERR_ACCESS);
+      RCHECK_OK(hcomm_barrier(ctx, T));
+      for (uint64_t x : keep) RCHECK(x == 0xabababababababab) << "a revoked key changed the owner's memory";
+      release_keys(kk);
+    }
+    // A refused key breaks nothing: the same pair still moves data both ways.
+    hcomm_mem_t* w2 = nullptr;
+    RCHECK_OK(hcomm_mem_alloc(ctx, 64, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w2));
+    auto k2 = exchange_keys(ctx, w2, 77);
+    lp64[0] = 1000u + static_cast<unsigned>(me);
+    RCHECK_OK(hcomm_put(ctx, lp, 8, k2[right], 0, T)) << "put after a refused key";
+    uint64_t out = static_cast<uint64_t>(me), in = 99;
+    RCHECK_OK(hcomm_sendrecv(ctx, right, &out, 8, 78, left, &in, 8, 78, HCOMM_TAG_MASK_ALL, nullptr, T))
+        << "send after a refused key";
+    RCHECK(in == static_cast<uint64_t>(left));
+    RCHECK_OK(hcomm_flush(ctx, -1, T));
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    RCHECK(static_cast<uint64_t*>(hcomm_mem_ptr(w2))[0] == 1000u + static_cast<unsigned>(left));
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    release_keys(k2);
+    RCHECK_OK(hcomm_mem_release(w2));
     release_keys(wk);
     release_keys(rk);
     RCHECK_OK(hcomm_mem_release(ro));
@@ -694,6 +729,38 @@ TEST_P(Api, KilledPeerFailsPendingRequestsInsteadOfHanging) {
         ::_exit(0);
       },
       90, {GetParam().ranks - 1});
+}
+
+// A peer that goes silent (its host stops answering: no FIN, no RST) is
+// noticed by keepalive and the RDMA retry timers: PEER_FAILURE within a bound,
+// not a hang and not the operation's own (long) timeout. Needs a second
+// machine: spread mode with HCOMM_TEST_SILENCE_CMD, a command that makes the
+// machine it runs on drop everything (the qemu suite: netem loss 100%).
+TEST_P(Api, SilentPeerIsPeerFailureWithinTheBound) {
+  const char* silence = std::getenv("HCOMM_TEST_SILENCE_CMD");
+  if (silence == nullptr || test::spread().hosts < 2 || GetParam().ranks != 2)
+    GTEST_SKIP() << "needs two machines (spread mode, 2 ranks) and HCOMM_TEST_SILENCE_CMD";
+  const std::string cmd = silence;
+  run(
+      [&cmd](hcomm_context_t* ctx, int me, int) {
+        RCHECK_OK(hcomm_barrier(ctx, T));
+        uint64_t v = 0;
+        if (me == 1) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));  // rank 0 is waiting by now
+          RCHECK(std::system(cmd.c_str()) == 0) << cmd;
+          std::this_thread::sleep_for(std::chrono::seconds(25));
+          ::_exit(0);  // silent the whole time; never finalizes
+        }
+        auto t0 = std::chrono::steady_clock::now();
+        RCHECK_EQ_STATUS(hcomm_recv(ctx, 1, &v, 8, 5, HCOMM_TAG_MASK_ALL, nullptr, 60000), HCOMM_ERR_PEER_FAILURE);
+        const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+        std::fprintf(stderr, "[rank 0] silent peer noticed after %lld ms: %s\n", static_cast<long long>(ms),
+                     hcomm_last_error());
+        // keepalive bound (HCOMM_KEEPALIVE_MS, default 5 s) + scheduling slack
+        RCHECK(ms < 15000) << "noticed only after " << ms << " ms";
+        ::_exit(0);  // finalize's barrier would wait for the silent rank
+      },
+      90);
 }
 
 // The simulator's fault injection reaches the API as clear statuses (NPU only).

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The `qemu` suite's verbs test: hcomm's verbs transport on Soft-RoCE (rxe) in
+# QEMU guests (tests/qemu/run-rdma.sh boots them; command lists in
+# tests/qemu/verbs/):
+#   loopback  one guest, HCOMM_TRANSPORTS=verbs forced between ranks of one
+#             host: the API conformance suite at 2 and 4 ranks, every op,
+#             dtype and size up to 64 MiB, asserting verbs serves every peer
+#             and that rxe's counters moved;
+#   pair      two guests = two hosts, ranks on both (torchrun-style
+#             MASTER_ADDR = the first guest): the conformance suite at 2 and 4
+#             ranks (sizes up to 1 MiB: TCG moves a few MB/s between guests),
+#             the four examples, and a silent peer (netem loss 100% on one
+#             guest) noticed as peer failure within the keepalive bound;
+#   netem     the same pair with 5% loss + reordering on one guest: results
+#             exact, netem dropped packets and rxe retransmitted.
+#   tests/qemu/run-verbs.sh BUILD_DIR [loopback|pair|netem]...   (default: all three)
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+build=$(cd "$1" && pwd)
+shift
+modes=("$@")
+[ ${#modes[@]} -gt 0 ] || modes=(loopback pair netem)
+export HCOMM_RDMA_FILES="$build/tests/integration_api_conformance $build/examples/point_to_point $build/examples/put_get $build/examples/parameter_server $build/examples/pipeline"
+rc=0
+for m in "${modes[@]}"; do
+  start=$(date +%s)
+  case $m in
+    loopback) HCOMM_RDMA_MEM=2048M HCOMM_RDMA_TIMEOUT=${HCOMM_VERBS_TIMEOUT:-420} \
+                HCOMM_RDMA_CMDS="$here/verbs/loopback.cmds" bash "$here/run-rdma.sh" "$build" loopback || rc=1 ;;
+    pair)     HCOMM_RDMA_MEM=1536M HCOMM_RDMA_TIMEOUT=${HCOMM_VERBS_TIMEOUT:-420} \
+                HCOMM_RDMA_CMDS="$here/verbs/pair.cmds" bash "$here/run-rdma.sh" "$build" pair || rc=1 ;;
+    netem)    HCOMM_RDMA_MEM=1024M HCOMM_RDMA_TIMEOUT=${HCOMM_VERBS_TIMEOUT:-360} \
+                HCOMM_RDMA_CMDS="$here/verbs/netem.cmds" bash "$here/run-rdma.sh" "$build" pair netem || rc=1 ;;
+    *) echo "run-verbs: unknown mode $m" >&2; exit 2 ;;
+  esac
+  echo "---- run-verbs $m: $(( $(date +%s) - start ))s ----"
+done
+exit $rc
