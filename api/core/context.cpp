@@ -10,6 +10,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <random>
 #include <thread>
 
 #include "api/transport/cma/cma.h"
@@ -117,6 +118,21 @@ Status Context::init(const hcomm_config_t& cfg) {
     li.size = cfg.size;
     li.source = "store";
     li.job_id = cfg.job_id != nullptr ? cfg.job_id : "";
+    if (li.job_id.empty()) {
+      // Jobs sharing a host must not share a job id (it names their socket
+      // directory): rank 0 draws one and publishes it through the store.
+      auto kv = kv_store_from_c(*cfg.store);
+      const int wait_ms = cfg.bootstrap_timeout_ms > 0 ? cfg.bootstrap_timeout_ms : 30000;
+      if (li.rank == 0) {
+        std::random_device rd;
+        char id[40];
+        std::snprintf(id, sizeof id, "s%08x%08x-%d", rd(), rd(), static_cast<int>(::getpid()));
+        li.job_id = id;
+        HCOMM_TRY(kv->set("hcomm/job-id", li.job_id));
+      } else {
+        HCOMM_TRY(kv->get("hcomm/job-id", &li.job_id, Deadline::after_ms(wait_ms)));
+      }
+    }
     if (const char* lr = std::getenv("LOCAL_RANK"); lr != nullptr && *lr != '\0') li.local_rank = std::atoi(lr);
   } else {
     if (cfg.rank >= 0 || cfg.size > 0)

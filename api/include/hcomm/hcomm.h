@@ -89,8 +89,10 @@ typedef struct hcomm_config {
   int rank;                 /* with size > 0 and store: this process's rank (default -1: from the environment) */
   int size;                 /* world size (default 0: from the environment) */
   int local_rank;           /* rank among the job's processes on this host (default -1: from the environment, else 0) */
-  const hcomm_kv_store_t* store; /* with rank/size: bootstrap through this store (copied; must outlive hcomm_init) */
-  const char* job_id;       /* with store: names the job (ranks of one job pass the same; default: derived from the store) */
+  const hcomm_kv_store_t* store; /* with rank/size: bootstrap through this store (the struct is copied; the
+                               callbacks and arg must stay valid until hcomm_finalize: barriers use them) */
+  const char* job_id;       /* with store: names the job (ranks of one job pass the same; NULL: rank 0 draws a
+                               random id and publishes it in the store under "hcomm/job-id") */
   const char* transports;   /* comma-separated transports allowed, e.g. "verbs" or "shm,cma"; a forced transport is
                                never silently replaced. NULL: env HCOMM_TRANSPORTS, else all that are present */
 } hcomm_config_t;
@@ -110,7 +112,8 @@ int hcomm_size(const hcomm_context_t* ctx);
 /* "host" or "npu" */
 const char* hcomm_engine_name(const hcomm_context_t* ctx);
 /* The transports serving `peer`, comma-separated, messaging transport first: e.g. "shm,cma" (same
- * host, host engine), "shm,npu", "verbs", "self" for this rank. NULL for a rank outside the job. */
+ * host, host engine), "shm,npu,cma" (NPU engine), "verbs" (another host, or HCOMM_TRANSPORTS=verbs).
+ * For this rank itself: the lanes that reach its own memory. NULL for a rank outside the job. */
 const char* hcomm_peer_transport(const hcomm_context_t* ctx, int peer);
 /* Collective barrier. */
 hcomm_status_t hcomm_barrier(hcomm_context_t* ctx, int timeout_ms);
