@@ -111,6 +111,11 @@ Status Context::rma(const RmaArgs& a, std::shared_ptr<Request>* out) {
   op.notify_rkey = a.notify_rkey;
   op.notify_off = a.notify_off;
   op.notify_value = a.notify_value;
+  // hcomm_fence orders across peers: the NPU's one queue serves every peer,
+  // so its FENCE flag is context-wide; any other asynchronous lane (verbs:
+  // IBV_SEND_FENCE orders one queue pair only) first completes everything
+  // issued before, on every lane.
+  if (_fence_next && lane->id() != TransportId::npu) HCOMM_TRY(flush(-1, Deadline::after_ms(30000)));
   op.fence = _fence_next;
   _fence_next = false;
   return lane->rma(op, r);
