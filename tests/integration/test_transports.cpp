@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <hcomm/hcomm.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -640,6 +641,36 @@ TEST(PackedKey, DamagedAndMisattributedKeysAreRefused) {
     RCHECK_OK(hcomm_mem_release(win));
     RCHECK_OK(hcomm_finalize(ctx));
   }, 60);
+  EXPECT_EQ(err, "");
+}
+
+}  // namespace
+}  // namespace hcomm
+
+namespace hcomm {
+namespace {
+
+// Registered memory is pinned: with RLIMIT_MEMLOCK too low for verbs'
+// registrations, init fails and names the limit. Runs as a non-root user
+// (root has CAP_IPC_LOCK and ignores the limit); needs an RDMA device the
+// user may open (the qemu suite's guest runs it after chmod of
+// /dev/infiniband/*).
+TEST(Verbs, MemlockTooLowIsNamedAtInit) {
+  if (!std::filesystem::exists("/sys/class/infiniband") || std::filesystem::is_empty("/sys/class/infiniband"))
+    GTEST_SKIP() << "no RDMA device";
+  std::string err = test::run_ranks(1, {{"HCOMM_TRANSPORTS", "verbs"}}, [](int) {
+    rlimit rl{64 * 1024, 64 * 1024};
+    RCHECK(::setrlimit(RLIMIT_MEMLOCK, &rl) == 0) << std::strerror(errno);
+    if (::geteuid() == 0) {
+      RCHECK(::setgid(65534) == 0 && ::setuid(65534) == 0) << "drop root: " << std::strerror(errno);
+    }
+    hcomm_context_t* ctx = nullptr;
+    hcomm_status_t st = hcomm_init(nullptr, &ctx);
+    RCHECK(st != HCOMM_OK) << "init succeeded with a 64 KiB memlock limit";
+    RCHECK(std::strstr(hcomm_last_error(), "RLIMIT_MEMLOCK") != nullptr) << hcomm_strerror(st) << ": "
+                                                                          << hcomm_last_error();
+    std::fprintf(stderr, "memlock: %s: %s\n", hcomm_strerror(st), hcomm_last_error());
+  });
   EXPECT_EQ(err, "");
 }
 
