@@ -5,7 +5,8 @@
 //
 // Rank 0 initiates, rank 1 is the target (further ranks only meet the
 // barriers), except in the workloads (ps, pipe_sr, pipe_pn) where every rank
-// takes part. What each number measures (docs/performance.md repeats this):
+// takes part. The output names the transport serving rank 1 for rank 0
+// (hcomm_peer_transport: "shm,cma" on one host, "verbs" across hosts). What each number measures (docs/performance.md repeats this):
 //
 //   send_recv lat  ping-pong hcomm_send / hcomm_recv; sample = round trip / 2.
 //   put lat        ping-pong of blocking hcomm_put: the initiator writes an
@@ -643,10 +644,13 @@ std::string fmt(const char* f, double v) {
   return b;
 }
 
-void emit(FILE* f, const Options& o, const std::string& engine, int ranks, const std::vector<Result>& rs) {
+// `transport`: what serves rank 0's measured peer, rank 1 (hcomm_peer_transport).
+void emit(FILE* f, const Options& o, const std::string& engine, int ranks, const std::string& transport,
+          const std::vector<Result>& rs) {
   if (o.format == "json") {
-    std::fprintf(f, "{\"tool\":\"hcomm-bench\",\"engine\":\"%s\",\"ranks\":%d,\"window\":%d,\"mem\":\"%s\",\"results\":[",
-                 engine.c_str(), ranks, o.window, o.mem_kind == HCOMM_MEM_HOST ? "host" : "device");
+    std::fprintf(f, "{\"tool\":\"hcomm-bench\",\"engine\":\"%s\",\"ranks\":%d,\"transport\":\"%s\",\"window\":%d,"
+                 "\"mem\":\"%s\",\"results\":[",
+                 engine.c_str(), ranks, transport.c_str(), o.window, o.mem_kind == HCOMM_MEM_HOST ? "host" : "device");
     for (size_t i = 0; i < rs.size(); ++i) {
       const Result& r = rs[i];
       std::fprintf(f,
@@ -663,8 +667,8 @@ void emit(FILE* f, const Options& o, const std::string& engine, int ranks, const
                    r.mode.c_str(), r.size, r.iters, r.window, r.lat.p50, r.lat.p99, r.lat.avg, r.lat.min, r.mbps,
                    r.mrate);
   } else {
-    std::fprintf(f, "# hcomm-bench: engine %s, %d ranks, window %d, %s memory\n", engine.c_str(), ranks, o.window,
-                 o.mem_kind == HCOMM_MEM_HOST ? "host" : "device");
+    std::fprintf(f, "# hcomm-bench: engine %s, %d ranks, rank 1 served by %s, window %d, %s memory\n", engine.c_str(),
+                 ranks, transport.c_str(), o.window, o.mem_kind == HCOMM_MEM_HOST ? "host" : "device");
     std::fprintf(f, "# lat: usec per operation (bw rows: per operation inside a window); MB/s = 1e6 B/s at the median\n");
     std::fprintf(f, "+------------+------+-----------+--------+--------+------------+------------+------------+------------+----------+\n");
     std::fprintf(f, "| %-10s | %-4s | %9s | %6s | %6s | %10s | %10s | %10s | %10s | %8s |\n", "test", "mode", "bytes",
@@ -703,7 +707,8 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "hcomm-bench: cannot write %s: %s\n", o.output.c_str(), std::strerror(errno));
         return 1;
       }
-      emit(f, o, ctx.engine(), ctx.size(), rs);
+      const char* tr = ctx.size() > 1 ? hcomm_peer_transport(ctx.get(), 1) : nullptr;
+      emit(f, o, ctx.engine(), ctx.size(), tr != nullptr ? tr : "-", rs);
       if (f != stdout) std::fclose(f);
       else std::fflush(stdout);
     }

@@ -3,8 +3,14 @@
 //   hcomm-probe [--json] [--sim-dir DIR] list
 //   hcomm-probe [--json] [--sim-dir DIR] info DEV
 //   hcomm-probe [--json] [--sim-dir DIR] selftest DEV
+//   hcomm-probe [--json] rdma
 //
-// DEV is sim:N (a simulated NPU) or a PCI address bound to vfio-pci.
+// DEV is sim:N (a simulated NPU) or a PCI address bound to vfio-pci. `rdma`
+// (built when libibverbs was found) lists the RDMA devices the verbs
+// transport could use: per port its state, link layer, MTU, max message size
+// and GID table, the port and GID hcomm would pick (HCOMM_IB_DEVICE,
+// HCOMM_IB_PORT, HCOMM_IB_GID honoured), RLIMIT_MEMLOCK and rdma-core's fork
+// status; no device is not an error.
 // Exit status: 0 success, 1 a check failed or the device could not be
 // opened, 2 usage error.
 #include <cinttypes>
@@ -24,6 +30,13 @@
 #include "hal/npu/device.h"
 #include "hal/npu/dma_queue.h"
 #include "hcomm_config.h"
+
+#if HCOMM_HAVE_IBVERBS
+#include <arpa/inet.h>
+#include <infiniband/verbs.h>
+#include <net/if.h>
+#include <sys/resource.h>
+#endif
 
 using namespace hcomm;
 namespace abi = hcomm::hal::abi;
@@ -81,7 +94,10 @@ std::string caps_string(uint64_t caps) {
       {abi::cap::ATOMIC, "atomic"}};
   std::string s;
   for (auto& [bit, n] : names)
-    if (caps & bit) s += (s.empty() ? "" : ",") + std::string(n);
+    if (caps & bit) {  // (not `"," + std::string(n)`: GCC 12 -O3 warns -Wrestrict on it)
+      if (!s.empty()) s += ',';
+      s += n;
+    }
   return s;
 }
 
@@ -513,11 +529,161 @@ int cmd_selftest(const Opts& o, const std::string& name) {
   return failed == 0 ? 0 : 1;
 }
 
+#if HCOMM_HAVE_IBVERBS
+// ---- rdma ----
+std::string gid_addr(const ibv_gid& g, bool* v4) {
+  char buf[INET6_ADDRSTRLEN] = "?";
+  *v4 = true;
+  for (int i = 0; i < 10; ++i) *v4 &= g.raw[i] == 0;
+  *v4 &= g.raw[10] == 0xff && g.raw[11] == 0xff;
+  ::inet_ntop(*v4 ? AF_INET : AF_INET6, *v4 ? g.raw + 12 : g.raw, buf, sizeof buf);
+  return buf;
+}
+
+struct GidRow {
+  uint32_t index;
+  std::string type, addr, netdev;
+  int score;  // the choose_gid rule: 0 RoCEv2 IPv4, 1 RoCEv2 global IPv6, 2 other RoCEv2, 3 RoCEv1/IB; -1 forced
+};
+
+// The GID the verbs transport picks (api/transport/verbs/verbs.cpp choose_gid):
+// HCOMM_IB_GID (an index or an address) if set; else on InfiniBand index 0,
+// else the first RoCEv2 IPv4 GID, then the first RoCEv2 global IPv6 one.
+int pick_gid(std::vector<GidRow>& rows, bool ib, const char* force) {
+  if (ib && force == nullptr) return rows.empty() || rows[0].index != 0 ? -1 : 0;
+  int best = -1, best_score = 99;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    GidRow& r = rows[i];
+    if (force != nullptr) {
+      std::string f = force;
+      bool pick;
+      in_addr a4{};
+      in6_addr a6{};
+      char b[INET6_ADDRSTRLEN] = "";
+      if (f.find_first_not_of("0123456789") == std::string::npos) pick = std::atoi(force) == static_cast<int>(r.index);
+      else if (::inet_pton(AF_INET, force, &a4) == 1) pick = ::inet_ntop(AF_INET, &a4, b, sizeof b) && r.addr == b;
+      else pick = ::inet_pton(AF_INET6, force, &a6) == 1 && ::inet_ntop(AF_INET6, &a6, b, sizeof b) && r.addr == b;
+      if (!pick) continue;
+      r.score = -1;
+    } else if (r.score > 1) {
+      continue;
+    }
+    if (r.score < best_score) best = static_cast<int>(i), best_score = r.score;
+  }
+  return best;
+}
+
+std::string limit_text(rlim_t v) { return v == RLIM_INFINITY ? "unlimited" : std::to_string(v / 1024) + " KiB"; }
+
+int cmd_rdma(const Opts& o) {
+  rlimit ml{};
+  ::getrlimit(RLIMIT_MEMLOCK, &ml);
+  const ibv_fork_status fs = ::ibv_is_fork_initialized();
+  const char* fork = fs == IBV_FORK_UNNEEDED ? "unneeded" : fs == IBV_FORK_ENABLED ? "enabled" : "disabled";
+  const char* env_dev = std::getenv("HCOMM_IB_DEVICE");
+  const char* env_port = std::getenv("HCOMM_IB_PORT");
+  const char* env_gid = std::getenv("HCOMM_IB_GID");
+  std::string want_dev = env_dev != nullptr ? env_dev : "";
+  int want_port = env_port != nullptr ? std::atoi(env_port) : 0;
+  if (auto c = want_dev.find(':'); c != std::string::npos) want_port = std::atoi(want_dev.c_str() + c + 1), want_dev.resize(c);
+  int n = 0;
+  ibv_device** list = ::ibv_get_device_list(&n);
+  bool chosen = false;  // the verbs transport takes the first active port that matches
+  std::vector<std::string> jdevs;
+  for (int d = 0; list != nullptr && d < n; ++d) {
+    const std::string name = ::ibv_get_device_name(list[d]);
+    JObj jd;
+    jd.str("name", name);
+    ibv_context* c = ::ibv_open_device(list[d]);
+    ibv_device_attr da{};
+    if (c == nullptr || ::ibv_query_device(c, &da) != 0) {
+      jd.str("error", std::string("cannot open: ") + std::strerror(errno));
+      if (!o.json) std::printf("%s: cannot open: %s\n", name.c_str(), std::strerror(errno));
+      if (c != nullptr) ::ibv_close_device(c);
+      jdevs.push_back(jd.done());
+      continue;
+    }
+    if (!o.json) std::printf("%s: %u port(s), fw %s, max_qp %d, max_mr_size %" PRIu64 "\n", name.c_str(), da.phys_port_cnt,
+                             da.fw_ver, da.max_qp, static_cast<uint64_t>(da.max_mr_size));
+    jd.num("ports_count", da.phys_port_cnt).str("fw", da.fw_ver);
+    std::vector<std::string> jports;
+    for (uint8_t p = 1; p <= da.phys_port_cnt; ++p) {
+      ibv_port_attr pa{};
+      if (::ibv_query_port(c, p, &pa) != 0) continue;
+      const bool ib = pa.link_layer == IBV_LINK_LAYER_INFINIBAND;
+      const bool use = !chosen && pa.state == IBV_PORT_ACTIVE && (want_dev.empty() || want_dev == name) &&
+                       (want_port == 0 || want_port == p);
+      chosen |= use;
+      std::vector<GidRow> rows;
+      for (int i = 0; i < pa.gid_tbl_len; ++i) {
+        ibv_gid_entry e{};
+        if (::ibv_query_gid_ex(c, p, static_cast<uint32_t>(i), &e, 0) != 0) continue;
+        bool zero = true, v4 = false;
+        for (uint8_t b : e.gid.raw) zero &= b == 0;
+        if (zero) continue;
+        GidRow r{static_cast<uint32_t>(i), "", gid_addr(e.gid, &v4), "", 3};
+        char ifn[IF_NAMESIZE] = "";
+        if (e.ndev_ifindex != 0 && ::if_indextoname(e.ndev_ifindex, ifn) != nullptr) r.netdev = ifn;
+        const bool v2 = e.gid_type == IBV_GID_TYPE_ROCE_V2;
+        const bool ll = e.gid.raw[0] == 0xfe && (e.gid.raw[1] & 0xc0) == 0x80;
+        r.type = v2 ? (v4 ? "RoCEv2 IPv4" : "RoCEv2") : e.gid_type == IBV_GID_TYPE_ROCE_V1 ? "RoCEv1" : "IB";
+        r.score = v2 && v4 ? 0 : v2 && !ll ? 1 : v2 ? 2 : 3;
+        rows.push_back(r);
+      }
+      const int pick = pick_gid(rows, ib, env_gid);
+      const std::string mtu = std::to_string(128 << static_cast<int>(pa.active_mtu));
+      if (!o.json) {
+        std::printf("  port %u: %s, link %s, active MTU %s, max message %" PRIu32 " B%s\n", p,
+                    ::ibv_port_state_str(pa.state), ib ? "InfiniBand" : "Ethernet", mtu.c_str(), pa.max_msg_sz,
+                    use ? "  <- hcomm uses this port" : "");
+        for (size_t i = 0; i < rows.size(); ++i)
+          std::printf("    gid %-3u %-11s %-40s %s%s\n", rows[i].index, rows[i].type.c_str(), rows[i].addr.c_str(),
+                      rows[i].netdev.c_str(), static_cast<int>(i) == pick ? "  <- hcomm's GID" : "");
+        if (rows.empty()) std::printf("    (no GID)\n");
+        if (pick < 0)
+          std::printf("    no GID hcomm would use (%s)\n", env_gid != nullptr ? ("HCOMM_IB_GID=" + std::string(env_gid) + " matches none").c_str()
+                                                                               : "no RoCEv2 IPv4 or global IPv6 GID");
+      }
+      std::vector<std::string> jg;
+      for (auto& r : rows)
+        jg.push_back(JObj().num("index", r.index).str("type", r.type).str("address", r.addr).str("netdev", r.netdev).done());
+      JObj jp;
+      jp.num("port", p).str("state", ::ibv_port_state_str(pa.state)).str("link_layer", ib ? "InfiniBand" : "Ethernet")
+          .num("active_mtu", 128u << static_cast<int>(pa.active_mtu)).num("max_msg_sz", pa.max_msg_sz)
+          .raw("gids", jarr(jg)).inum("hcomm_gid", pick < 0 ? -1 : rows[static_cast<size_t>(pick)].index)
+          .boolean("hcomm_port", use);
+      jports.push_back(jp.done());
+    }
+    ::ibv_close_device(c);
+    jd.raw("ports", jarr(jports));
+    jdevs.push_back(jd.done());
+  }
+  if (list != nullptr) ::ibv_free_device_list(list);
+  if (o.json) {
+    std::printf("%s\n", JObj().raw("devices", jarr(jdevs)).str("memlock_soft", limit_text(ml.rlim_cur))
+                            .str("memlock_hard", limit_text(ml.rlim_max)).str("fork", fork).done().c_str());
+  } else {
+    if (jdevs.empty())
+      std::printf("no RDMA device (for Soft-RoCE: modprobe rdma_rxe; rdma link add rxe0 type rxe netdev eth0)\n");
+    else if (!chosen)
+      std::printf("no active port%s: the verbs transport would not open\n",
+                  env_dev != nullptr || env_port != nullptr ? " matching HCOMM_IB_DEVICE / HCOMM_IB_PORT" : "");
+    std::printf("RLIMIT_MEMLOCK: soft %s, hard %s (registered memory is pinned against it)\n",
+                limit_text(ml.rlim_cur).c_str(), limit_text(ml.rlim_max).c_str());
+    std::printf("rdma-core fork support: %s\n", fork);
+  }
+  return 0;
+}
+#endif
+
 void usage() {
   std::fprintf(stderr,
                "usage: hcomm-probe [--json] [--sim-dir DIR] list\n"
                "       hcomm-probe [--json] [--sim-dir DIR] info DEV\n"
                "       hcomm-probe [--json] [--sim-dir DIR] selftest DEV\n"
+#if HCOMM_HAVE_IBVERBS
+               "       hcomm-probe [--json] rdma       RDMA devices, ports, GIDs (verbs transport)\n"
+#endif
                "DEV: sim:N (simulated NPU N) or a PCI address bound to vfio-pci.\n");
 }
 
@@ -538,6 +704,9 @@ int main(int argc, char** argv) {
   if (args[0] == "list" && args.size() == 1) return cmd_list(o);
   if (args[0] == "info" && args.size() == 2) return cmd_info(o, args[1]);
   if (args[0] == "selftest" && args.size() == 2) return cmd_selftest(o, args[1]);
+#if HCOMM_HAVE_IBVERBS
+  if (args[0] == "rdma" && args.size() == 1) return cmd_rdma(o);
+#endif
   usage();
   return 2;
 }
