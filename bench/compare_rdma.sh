@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# compare_rdma.sh: hcomm's verbs transport next to perftest and UCX (UCT
+# rc_verbs) between two QEMU guests on Soft-RoCE, in ONE run of
+# tests/qemu/run-rdma.sh pair (guest A 10.0.0.1 = server = hcomm rank 0,
+# guest B 10.0.0.2 = client = hcomm rank 1), one benchmark after the other.
+#
+#   bench/compare_rdma.sh BUILD_DIR        (needs BUILD_DIR/tools/hcomm-bench, hcomm-probe)
+#
+# Each guest first prints `hcomm-probe rdma`. Then, per op:
+#   lat 8 B    hcomm-bench put/get/fetch_add lat (-n 200)  | ib_write_lat, ib_read_lat,
+#              ib_atomic_lat (-n 200)                      | ucx_perftest put_lat, get -O 1, fadd -O 1
+#   bw         hcomm-bench put/get bw, 64K 256K 1M 4M      | ib_write_bw, ib_read_bw   | put_bw, get (zcopy)
+#   send/recv  hcomm-bench send_recv bw 1M (next to its own put bw 1M)
+# and prints one table of time per operation (us): latency rows are medians
+# (hcomm p50, perftest t_typical, UCX typical); bandwidth rows are hcomm's
+# median window / window, perftest's and UCX's average (perftest / UCX MB/s are
+# MiB/s). Ratios are hcomm / peer (< 1: hcomm faster). TCG makes absolute
+# numbers meaningless: read the ratios.
+# Writes BUILD_DIR/compare-rdma/{console.txt,table.md}; the exit status is run-rdma's.
+# Environment: HCOMM_RDMA_TIMEOUT (default 1500 s per guest), HCOMM_RDMA_MEM (1024M).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+[ $# -eq 1 ] || { sed -n '2,/^set -e/p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+build=$(cd "$1" && pwd)
+for t in hcomm-bench hcomm-probe; do
+  [ -x "$build/tools/$t" ] || { echo "compare_rdma: $build/tools/$t missing (ninja -C $1 tools/$t)" >&2; exit 2; }
+done
+out=$build/compare-rdma
+mkdir -p "$out"
+cmds=$out/compare.cmds
+
+# ---- the command list (tests/qemu/run-rdma.sh's format; the perftest and UCX
+# lines are built as its built-in list builds them) ----
+port=18600   # perftest / ucx_perftest
+mport=29600  # hcomm MASTER_PORT
+nice='renice -n 19 -p $$ >/dev/null;'  # what hcomm-rdma does for perftest: rxe's kernel threads preempt at once
+# peer NAME TIMEOUT TOOL ARGS: server and client lines for perftest / ucx_perftest
+peer() {
+  local name=$1 t=$2 tool=$3 env="" pt
+  shift 3
+  case $tool in
+    ucx_perftest) env="UCX_IB_GID_INDEX=\$HCOMM_GID " pt="$tool -d \$HCOMM_DEV:1 -x rc_verbs -p $port $*" ;;
+    *) pt="$tool -d \$HCOMM_DEV -x \$HCOMM_GID -F -p $port $*" ;;
+  esac
+  echo "server $name $t ${env}hcomm-rdma server $pt"
+  echo "client $name $t ${env}hcomm-rdma client 60 $pt \$HCOMM_PEER"
+  port=$((port + 1))
+}
+# hcomm NAME TIMEOUT BENCH-ARGS: rank 0 in the server guest prints its JSON as HCOMM-BENCH NAME lines
+hcomm() {
+  local name=$1 t=$2 env
+  shift 2
+  env="HCOMM_TRANSPORTS=verbs WORLD_SIZE=2 MASTER_PORT=$mport"
+  echo "server $name $t $nice $env RANK=0 MASTER_ADDR=\$HCOMM_IP hcomm-bench $* --json -o /tmp/$name.json && sed 's/^/HCOMM-BENCH $name /' /tmp/$name.json"
+  echo "client $name $t $nice $env RANK=1 MASTER_ADDR=\$HCOMM_PEER hcomm-bench $*"
+  mport=$((mport + 1))
+}
+{
+  echo "all probe 30 hcomm-probe rdma && hcomm-probe --json rdma"
+  echo "client ping 60 ping -c 1 -w 60 \$HCOMM_PEER"
+  hcomm hcomm_lat 240 -t put,get,fetch_add -m lat -s 8 -n 200 --warmup 20
+  peer write_lat 120 ib_write_lat -s 8 -n 200
+  peer read_lat 120 ib_read_lat -s 8 -n 200
+  peer atomic_lat 120 ib_atomic_lat -n 200
+  peer ucx_put_lat 120 ucx_perftest -t put_lat -s 8 -n 200 -w 20
+  peer ucx_get_lat 120 ucx_perftest -t get -D bcopy -s 8 -n 200 -w 20 -O 1
+  peer ucx_fadd_lat 120 ucx_perftest -t fadd -n 200 -w 20 -O 1
+  # SIZE PERFTEST_ITERS HCOMM_WINDOW HCOMM_WINDOWS: about the same bytes for every tool
+  while read -r s n w hn; do
+    extra=""
+    [ "$s" = 1M ] && extra=",send_recv"
+    hcomm "hcomm_bw_$s" 400 -t "put,get$extra" -m bw -s "$s" -w "$w" -n "$hn" --warmup 1
+    b=$(( ${s%[KM]} * $([ "${s: -1}" = K ] && echo 1024 || echo 1048576) ))
+    peer "write_bw_$s" 300 ib_write_bw -s "$b" -n "$n"
+    peer "read_bw_$s" 300 ib_read_bw -s "$b" -n "$n"
+    peer "ucx_put_bw_$s" 300 ucx_perftest -t put_bw -D zcopy -s "$b" -n "$n" -w 2
+    peer "ucx_get_bw_$s" 300 ucx_perftest -t get -D zcopy -s "$b" -n "$n" -w 2
+  done <<'EOF'
+64K 96 16 6
+256K 40 8 5
+1M 16 4 4
+4M 6 2 3
+EOF
+} > "$cmds"
+
+echo "compare_rdma: host load before: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$out/load.txt"
+t0=$(date +%s)
+rc=0
+HCOMM_RDMA_MEM=${HCOMM_RDMA_MEM:-1024M} HCOMM_RDMA_TIMEOUT=${HCOMM_RDMA_TIMEOUT:-1500} HCOMM_RDMA_CMDS="$cmds" \
+  HCOMM_RDMA_FILES="$build/tools/hcomm-bench $build/tools/hcomm-probe" \
+  bash "$root/tests/qemu/run-rdma.sh" "$build" pair > "$out/console.txt" 2>&1 || rc=$?
+echo "compare_rdma: run-rdma pair exit $rc after $(( $(date +%s) - t0 ))s; host load after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/load.txt"
+grep -E '^(FAIL|ok):' "$out/console.txt" | grep -v '^ok' || true
+
+python3 - "$out/console.txt" <<'EOF' | tee "$out/table.md"
+import json, re, statistics, sys
+lines = open(sys.argv[1], errors="replace").read().splitlines()
+perf, bench = {}, {}
+for l in lines:
+    f = l.split()
+    if len(f) > 3 and f[0] == "HCOMM-PERF" and f[2] == "client":
+        perf[f[1]] = f[3:]
+    elif len(f) > 2 and f[0] == "HCOMM-BENCH":
+        bench.setdefault(f[1], []).append(l.split(" ", 2)[2])
+hc, transport = {}, set()
+for name, part in bench.items():
+    try:
+        j = json.loads("\n".join(part))
+    except ValueError as e:
+        print("hcomm %s: unreadable JSON (%s)" % (name, e), file=sys.stderr)
+        continue
+    transport.add(j.get("transport", "?"))
+    for r in j["results"]:
+        hc[(r["test"], r["mode"], r["bytes"])] = r["p50_us"]
+MiB = 1048576.0
+def pt(name, size):  # perftest: lat rows -> t_typical; bw rows -> size / BW average (MiB/s)
+    r = perf.get(name)
+    if not r: return None
+    if "lat" in name: return float(r[4])
+    bw = float(r[3])
+    return size / (bw * MiB) * 1e6 if bw > 0 else None
+def ucx(name, size):  # Final: iters typical avg overall bw_avg bw_overall mr_avg mr_overall
+    r = perf.get(name)
+    if not r or r[0] != "Final:": return None
+    return float(r[2]) if "lat" in name else float(r[4])
+rows = [("put lat", 8, hc.get(("put", "lat", 8)), pt("write_lat", 8), ucx("ucx_put_lat", 8), 1.1),
+        ("get lat", 8, hc.get(("get", "lat", 8)), pt("read_lat", 8), ucx("ucx_get_lat", 8), 1.1),
+        ("fetch_add lat", 8, hc.get(("fetch_add", "lat", 8)), pt("atomic_lat", 8), ucx("ucx_fadd_lat", 8), 1.1)]
+for s, b in (("64K", 65536), ("256K", 262144), ("1M", 1 << 20), ("4M", 4 << 20)):
+    rows.append(("put bw", b, hc.get(("put", "bw", b)), pt("write_bw_" + s, b), ucx("ucx_put_bw_" + s, b), 1.1))
+    rows.append(("get bw", b, hc.get(("get", "bw", b)), pt("read_bw_" + s, b), ucx("ucx_get_bw_" + s, b), 1.1))
+def size(b): return "%d M" % (b >> 20) if b >= 1 << 20 else "%d K" % (b >> 10) if b >= 1024 else "%d" % b
+def num(v): return "-" if v is None else "%.2f" % v
+def ratio(a, b): return None if a is None or b is None or b == 0 else a / b
+print("hcomm transport to its peer: %s" % (", ".join(sorted(transport)) or "?"))
+print()
+print("| op | bytes | hcomm us | perftest us | UCX us | hcomm/perftest | hcomm/UCX | goal |")
+print("|---|---:|---:|---:|---:|---:|---:|---|")
+verdicts = []
+for op, b, h, p, u, lim in rows:
+    rp, ru = ratio(h, p), ratio(h, u)
+    g = []
+    if rp is not None: g.append("perftest %s" % ("met" if rp <= lim else "MISSED"))
+    if ru is not None: g.append("UCX %s" % ("met" if ru <= 1.0 else "MISSED"))
+    print("| %s | %s | %s | %s | %s | %s | %s | %s |" % (op, size(b), num(h), num(p), num(u), num(rp), num(ru), ", ".join(g) or "no data"))
+sr, put = hc.get(("send_recv", "bw", 1 << 20)), hc.get(("put", "bw", 1 << 20))
+r = ratio(sr, put)
+print("| send/recv bw | 1 M | %s | - | - | %s (/ hcomm put) | - | %s |" % (num(sr), num(r), "no data" if r is None else "met" if r <= 1.2 else "MISSED"))
+print()
+print("Time per operation, us (lat: medians; bw: hcomm median window / window, perftest and UCX averages). "
+      "Goals: hcomm/perftest <= 1.1 (lat, bw), send/recv 1 MiB <= 1.2x hcomm put, hcomm/UCX <= 1.0.")
+EOF
+exit $rc
