@@ -352,6 +352,7 @@ const char* Context::peer_transport(int peer) const {
 }
 
 Context::~Context() {
+  _closing = true;
   for (auto& [key, k] : _rndv_keys) (void)rkey_release(k);
   _rndv_keys.clear();
   for (hcomm_mem* m : _mems) {

@@ -113,6 +113,8 @@ class Context final : public AmSink {
   std::mutex& mu() { return _mu; }
   uint64_t job_hash() const { return _job_hash; }
   Peer& peer(int r) { return _peers[static_cast<size_t>(r)]; }
+  // The context is being destroyed: transports release without telling peers.
+  bool closing() const { return _closing; }
 
   Status barrier(const Deadline& dl);
   Status finalize(const Deadline& dl);
@@ -228,6 +230,7 @@ class Context final : public AmSink {
   uint32_t _progress_calls = 0;
   bool _fence_next = false;
   bool _finalized = false;
+  bool _closing = false;
 };
 
 }  // namespace hcomm::api

@@ -602,8 +602,8 @@ std::string endpoint(const std::string& addr, int port) {
 }
 
 Status listen_tcp(const std::string& addr, int backlog, UniqueFd* out, int* port) {
-  sockaddr_storage ss;
-  socklen_t len;
+  sockaddr_storage ss{};
+  socklen_t len = 0;
   HCOMM_TRY(numeric_addr(addr, 0, &ss, &len));
   UniqueFd fd(::socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) return Status::from_errno(errno, "socket(TCP)");
@@ -619,8 +619,8 @@ Status listen_tcp(const std::string& addr, int backlog, UniqueFd* out, int* port
 }
 
 Status connect_tcp(const std::string& addr, int port, const Deadline& dl, int me, int j, UniqueFd* out) {
-  sockaddr_storage ss;
-  socklen_t len;
+  sockaddr_storage ss{};
+  socklen_t len = 0;
   HCOMM_TRY(numeric_addr(addr, port, &ss, &len));
   UniqueFd fd(::socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) return Status::from_errno(errno, "socket(TCP)");
