@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "api/core/context.h"
+#include "api/proto/am_check.h"
 #include "api/wireup/mesh.h"
 #include "common/barrier.h"
 #include "hal/abi/reduce.h"
@@ -345,10 +346,10 @@ void ShmTransport::progress() {
       MsgHdr h;
       std::memcpy(&h, slot, sizeof h);  // copy once, then validate the copy
       ++head;
-      if ((h.type == static_cast<uint32_t>(MsgType::eager) && (h.len > kEagerMax || h.len != h.total)) ||
-          h.type < static_cast<uint32_t>(MsgType::eager) || h.type > static_cast<uint32_t>(MsgType::fin)) {
+      // A slot has no length of its own: the header's len is the payload.
+      if (std::string why; !am_header_ok(h, kBodyInHeader, kEagerMax, &why)) {
         rx->head.v.store(head, std::memory_order_release);
-        _sink.on_peer_failed(r, "garbled channel message (type " + std::to_string(h.type) + ")");
+        _sink.on_peer_failed(r, "garbled channel message (" + why + ")");
         break;
       }
       _sink.on_am(r, h, slot + sizeof(MsgHdr));

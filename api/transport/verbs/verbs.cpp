@@ -10,6 +10,8 @@
 #include <random>
 
 #include "api/core/context.h"
+#include "api/proto/am_check.h"
+#include "api/proto/verbs_wire.h"
 #include "api/transport/shm/shm.h"
 #include "common/barrier.h"
 #include "hal/abi/reduce.h"
@@ -65,22 +67,6 @@ Code code_of(ibv_wc_status s) {
     default: return Code::peer_failure;
   }
 }
-
-constexpr uint32_t kWireMagic = 0x48434956u;  // "HCIV"
-constexpr uint16_t kWireVersion = 1;
-struct WireHdr {
-  uint32_t magic;
-  uint16_t version;
-  uint16_t present;  // 0: this rank has no verbs; the rest is its reason
-  uint8_t gid[16];
-  uint16_t lid;
-  uint8_t mtu;  // ibv_mtu
-  uint8_t pad;
-  uint32_t psn;
-  uint64_t table_addr, locks_addr, mailbox_addr;
-  uint32_t table_rkey, locks_rkey, mailbox_rkey;
-  uint32_t nqp;  // then nqp x u32: the QPN this rank created for each rank
-};
 
 // Scratch words: 0..kFetchSlots-1 fetch results; then the import read of a
 // table entry (4 words), the revoked generation being written, the result of
@@ -325,10 +311,7 @@ VerbsTransport::~VerbsTransport() {
 // ---- wire-up ------------------------------------------------------------------------------
 
 std::string VerbsTransport::wire_blob() const {
-  WireHdr h{};
-  h.magic = kWireMagic;
-  h.version = kWireVersion;
-  h.present = 1;
+  VerbsWireHdr h{};
   std::memcpy(h.gid, _gid.raw, 16);
   h.lid = _port_attr.lid;
   h.mtu = static_cast<uint8_t>(_port_attr.active_mtu);
@@ -339,61 +322,35 @@ std::string VerbsTransport::wire_blob() const {
   h.table_rkey = _table_mr->rkey;
   h.locks_rkey = _locks_mr->rkey;
   h.mailbox_rkey = _mailbox_mr->rkey;
-  h.nqp = static_cast<uint32_t>(_size);
-  std::string b(reinterpret_cast<const char*>(&h), sizeof h);
-  for (const VPeer& p : _peers) {
-    uint32_t q = p.qp->qp_num;
-    b.append(reinterpret_cast<const char*>(&q), 4);
-  }
-  return b;
+  std::vector<uint32_t> qpns;
+  for (const VPeer& p : _peers) qpns.push_back(p.qp->qp_num);
+  return verbs_wire_blob(h, qpns);
 }
 
 Status VerbsTransport::connect(Bootstrap& boot, VerbsTransport* self, const std::string& absent, const Deadline& dl,
                                std::vector<bool>* have) {
-  std::string mine;
-  if (self != nullptr) {
-    mine = self->wire_blob();
-  } else {
-    WireHdr h{};
-    h.magic = kWireMagic;
-    h.version = kWireVersion;
-    mine.assign(reinterpret_cast<const char*>(&h), sizeof h);
-    mine += absent.substr(0, 1024);
-  }
+  std::string mine = self != nullptr ? self->wire_blob() : verbs_wire_absent(absent);
   std::vector<std::string> all;
   HCOMM_TRY(boot.allgather(mine, &all, dl));
   const int n = boot.size();
+  std::vector<VerbsPeerWire> ws;
+  HCOMM_TRY(parse_verbs_wire(all, n, boot.rank(), &ws));
   have->assign(static_cast<size_t>(n), false);
-  std::vector<WireHdr> hs(static_cast<size_t>(n));
-  for (int r = 0; r < n; ++r) {
-    const std::string& b = all[static_cast<size_t>(r)];
-    WireHdr& h = hs[static_cast<size_t>(r)];
-    if (b.size() < sizeof h) return Status::error(Code::protocol_error, "verbs wire-up from rank %d: %zu bytes", r, b.size());
-    std::memcpy(&h, b.data(), sizeof h);
-    if (h.magic != kWireMagic || h.version != kWireVersion)
-      return Status::error(Code::protocol_error, "verbs wire-up from rank %d: magic %#x version %u (this build: %u)", r,
-                           h.magic, h.version, kWireVersion);
-    if (h.present == 0) continue;
-    if (h.nqp != static_cast<uint32_t>(n) || b.size() != sizeof h + 4u * n)
-      return Status::error(Code::protocol_error, "verbs wire-up from rank %d: %u queue pairs for %d ranks", r, h.nqp, n);
-    (*have)[static_cast<size_t>(r)] = true;
-  }
+  for (int r = 0; r < n; ++r) (*have)[static_cast<size_t>(r)] = ws[static_cast<size_t>(r)].present;
   if (self == nullptr) return Status::ok();
   for (int r = 0; r < n; ++r) {
-    if (!(*have)[static_cast<size_t>(r)]) continue;
-    const WireHdr& h = hs[static_cast<size_t>(r)];
-    uint32_t qpn;
-    std::memcpy(&qpn, all[static_cast<size_t>(r)].data() + sizeof h + 4u * self->_rank, 4);
+    const VerbsPeerWire& w = ws[static_cast<size_t>(r)];
+    if (!w.present) continue;
     ibv_gid g;
-    std::memcpy(g.raw, h.gid, 16);
+    std::memcpy(g.raw, w.h.gid, 16);
     VPeer& p = self->_peers[static_cast<size_t>(r)];
-    p.table_addr = h.table_addr;
-    p.locks_addr = h.locks_addr;
-    p.mailbox_addr = h.mailbox_addr;
-    p.table_rkey = h.table_rkey;
-    p.locks_rkey = h.locks_rkey;
-    p.mailbox_rkey = h.mailbox_rkey;
-    HCOMM_TRY(self->bring_up(r, qpn, g, h.lid, static_cast<ibv_mtu>(h.mtu), h.psn));
+    p.table_addr = w.h.table_addr;
+    p.locks_addr = w.h.locks_addr;
+    p.mailbox_addr = w.h.mailbox_addr;
+    p.table_rkey = w.h.table_rkey;
+    p.locks_rkey = w.h.locks_rkey;
+    p.mailbox_rkey = w.h.mailbox_rkey;
+    HCOMM_TRY(self->bring_up(r, w.qpn, g, w.h.lid, static_cast<ibv_mtu>(w.h.mtu), w.h.psn));
   }
   // Drivers have misreported atomics: check the NIC's once, on our own lock
   // word through the loopback queue pair (0 -> +7 -> back to 0).
@@ -606,7 +563,18 @@ void VerbsTransport::poll_recv() {
           _sink.on_peer_failed(peer, std::string("verbs receive failed: ") + ::ibv_wc_status_str(wc[i].status));
         continue;
       }
-      if (wc[i].wc_flags & IBV_WC_WITH_IMM) p.credits += ntohl(wc[i].imm_data);
+      if (wc[i].wc_flags & IBV_WC_WITH_IMM) {
+        // The peer grants only buffers it reposted after our SENDs used
+        // them: never more than kRecvDepth in all (a larger grant would let
+        // us send into buffers that are not there).
+        const uint32_t grant = ntohl(wc[i].imm_data);
+        if (p.up && grant > kRecvDepth - p.credits) {
+          _sink.on_peer_failed(peer, "verbs: credit grant of " + std::to_string(grant) + " with " +
+                                         std::to_string(p.credits) + " of " + std::to_string(kRecvDepth) + " held");
+          continue;
+        }
+        p.credits += grant;
+      }
       const uint8_t* buf = recv_buf(peer, slot);
       if (wc[i].byte_len > 0 && p.up) {
         MsgHdr h;
@@ -615,12 +583,9 @@ void VerbsTransport::poll_recv() {
           continue;
         }
         std::memcpy(&h, buf, sizeof h);  // copy once, then validate the copy
-        const size_t body = wc[i].byte_len - sizeof h;
-        const bool eager = h.type == static_cast<uint32_t>(MsgType::eager);
-        if (h.type < static_cast<uint32_t>(MsgType::eager) || h.type > static_cast<uint32_t>(MsgType::fin) ||
-            (eager && (h.len != body || h.len != h.total || h.len > kEagerMax)) || (!eager && body != 0)) {
-          _sink.on_peer_failed(peer, "garbled verbs message (type " + std::to_string(h.type) + ", " +
-                                         std::to_string(wc[i].byte_len) + " bytes)");
+        if (std::string why; !am_header_ok(h, wc[i].byte_len - sizeof h, kEagerMax, &why)) {
+          _sink.on_peer_failed(peer, "garbled verbs message (" + why + ", " + std::to_string(wc[i].byte_len) +
+                                         " bytes)");
           continue;
         }
         _sink.on_am(peer, h, buf + sizeof h);
