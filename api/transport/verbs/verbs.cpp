@@ -719,7 +719,9 @@ void VerbsTransport::mem_remove(hcomm_mem& m) {
   std::vector<uint64_t> ids;
   for (int r = 0; r < _size; ++r) {
     VPeer& p = _peers[static_cast<size_t>(r)];
-    if (r == _rank || !p.up) continue;
+    // Tearing the context down: peers may have destroyed their queue pairs
+    // already (after finalize's barrier); their keys die with ours.
+    if (r == _rank || !p.up || _ctx.closing()) continue;
     ibv_sge sge{reinterpret_cast<uint64_t>(&_scratch[kRevokeWord]), 4, _scratch_mr->lkey};
     ibv_send_wr wr{};
     wr.opcode = IBV_WR_RDMA_WRITE;
