@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <sched.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -436,8 +437,14 @@ void Context::check_peers(bool force) {
   if (pfds.empty() || ::poll(pfds.data(), pfds.size(), 0) <= 0) return;
   for (size_t i = 0; i < pfds.size(); ++i) {
     if (pfds[i].revents & POLLIN) drain_socket(*who[i]);
-    if (who[i]->alive && (pfds[i].revents & (POLLHUP | POLLERR)))
-      peer_failed(*who[i], "connection closed (process exited or was killed)");
+    if (who[i]->alive && (pfds[i].revents & (POLLHUP | POLLERR))) {
+      int err = 0;
+      socklen_t el = sizeof err;
+      (void)::getsockopt(pfds[i].fd, SOL_SOCKET, SO_ERROR, &err, &el);
+      peer_failed(*who[i], err == ETIMEDOUT ? "its host stopped answering (keepalive timed out: silent, stopped or "
+                                              "unreachable)"
+                                            : "connection closed (process exited or was killed)");
+    }
   }
 }
 

@@ -152,7 +152,11 @@ Deadline stall_deadline(const Deadline& dl) {
   return Deadline(std::chrono::duration_cast<std::chrono::nanoseconds>(left));
 }
 
-Status closed_error(int peer_rank) {
+Status closed_error(int peer_rank, int err = 0) {
+  // Keepalive or TCP_USER_TIMEOUT gave up: the host went silent, nobody closed anything.
+  if (err == ETIMEDOUT)
+    return Status::error(Code::peer_failure, "%s's host stopped answering (keepalive timed out: silent, stopped or unreachable)",
+                         peer_name(peer_rank).c_str());
   return Status::error(Code::peer_failure, "%s closed its connection (exited or killed?)", peer_name(peer_rank).c_str());
 }
 
@@ -248,7 +252,7 @@ Status read_stream(int fd, uint8_t* buf, size_t len, size_t* got, const Deadline
       HCOMM_TRY(poll_for(fd, POLLIN, rest->has_value() ? **rest : first, "waiting for a message from", peer_rank));
       continue;
     }
-    if (errno == ECONNRESET || errno == ETIMEDOUT || errno == ENOTCONN) return closed_error(peer_rank);
+    if (errno == ECONNRESET || errno == ETIMEDOUT || errno == ENOTCONN) return closed_error(peer_rank, errno);
     return Status::from_errno(errno, "recv_msg from " + peer_name(peer_rank));
   }
   return Status::ok();
