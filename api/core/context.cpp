@@ -303,6 +303,7 @@ Status Context::open_transports(const hcomm_config_t& cfg, const LaunchInfo& li,
     HCOMM_TRY(VerbsTransport::connect(*_boot, vs ? v.get() : nullptr, vs.message(), dl, &have));
     if (!vs && forced_verbs) return Status(vs.code(), std::string(list_src) + " names verbs: " + vs.message());
     if (vs) {
+      _nap_early = v->software();
       _verbs = v.get();
       _transports.push_back(std::move(v));
     } else {
@@ -502,6 +503,7 @@ void Context::progress() {
 // 64 rounds, not every round): spin on progress for 50 us (microsecond
 // latencies), then yield the CPU between rounds up to 2 ms (on a busy
 // machine the peer needs our core), then nap 50 us with the lock released.
+// Over a software RDMA device the yield phase is skipped (see below).
 bool Context::spin_wait(const std::function<bool()>& done, bool progress_each_round, const Deadline& dl) {
   if (done()) return true;
   const Clock::time_point start = Clock::now();
@@ -517,7 +519,9 @@ bool Context::spin_wait(const std::function<bool()>& done, bool progress_each_ro
     const auto waited = now - start;
     if (waited < std::chrono::microseconds(50)) continue;
     _mu.unlock();
-    if (waited < std::chrono::milliseconds(2)) sched_yield();
+    // A software RDMA device (rxe, siw) does the NIC's work in kernel threads
+    // on these CPUs, and sched_yield does not hand them the CPU: nap at once.
+    if (waited < std::chrono::milliseconds(2) && !_nap_early) sched_yield();
     else std::this_thread::sleep_for(std::chrono::microseconds(50));
     _mu.lock();
   }

@@ -206,6 +206,7 @@ class Context final : public AmSink {
   NpuTransport* _npu = nullptr;
   Transport* _verbs = nullptr;
   bool _cross_host = false;  // some peer is on another host
+  bool _nap_early = false;   // waits nap instead of yielding (verbs on a software RDMA device)
   // registrations
   std::vector<hcomm_mem*> _mems;              // by slot
   std::vector<uint32_t> _slot_gen;            // generation per slot: odd while registered

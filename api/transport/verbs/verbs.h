@@ -94,6 +94,8 @@ class VerbsTransport final : public Transport {
   void peer_failed(int peer, const std::string& why) override;
 
   const std::string& device_name() const { return _dev_name; }
+  // Soft-RoCE / soft-iWARP: the "NIC" is kernel code running on our CPUs.
+  bool software() const { return _dev_name.rfind("rxe", 0) == 0 || _dev_name.rfind("siw", 0) == 0; }
   // "rxe0:1 gid 1 (RoCEv2 ::ffff:10.0.0.1) mtu 1024"
   std::string describe() const;
 
