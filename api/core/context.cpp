@@ -23,6 +23,7 @@
 #include "api/wireup/kv_store.h"
 #include "api/wireup/mesh.h"
 #include "common/barrier.h"
+#include "common/env.h"
 #include "common/paths.h"
 
 namespace hcomm::api {
@@ -148,14 +149,9 @@ Status Context::init(const hcomm_config_t& cfg) {
     (void)::setrlimit(RLIMIT_NOFILE, &rl);
   }
   const int timeout_ms = cfg.bootstrap_timeout_ms > 0 ? cfg.bootstrap_timeout_ms : 30000;
-  _peer_check = std::chrono::milliseconds(cfg.peer_check_ms > 0 ? cfg.peer_check_ms : 1);
-  if (const char* e = std::getenv("HCOMM_PEER_CHECK_MS"); e != nullptr && *e != '\0') {
-    char* end = nullptr;
-    long v = std::strtol(e, &end, 10);
-    if (*end != '\0' || v < 1 || v > 60000)
-      return Status::error(Code::invalid_argument, "HCOMM_PEER_CHECK_MS='%s': use 1..60000", e);
-    _peer_check = std::chrono::milliseconds(v);
-  }
+  long check_ms = cfg.peer_check_ms > 0 ? cfg.peer_check_ms : 1;
+  HCOMM_TRY(env_int("HCOMM_PEER_CHECK_MS", 1, 60000, &check_ms));
+  _peer_check = std::chrono::milliseconds(check_ms);
   if (from_store) HCOMM_TRY(Bootstrap::from_store(li.rank, li.size, li.job_id, kv_store_from_c(*cfg.store), timeout_ms, &_boot));
   else HCOMM_TRY(Bootstrap::create(li, timeout_ms, &_boot));
   _rank = _boot->rank();

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "api/wireup/run_dir.h"
+#include "common/env.h"
 
 namespace hcomm::api {
 
@@ -25,10 +26,6 @@ namespace hcomm::api {
 
 namespace {
 
-const char* env(const char* name) {
-  const char* v = std::getenv(name);
-  return (v != nullptr && *v != '\0') ? v : nullptr;
-}
 
 // Parses a decimal integer in [lo, hi]; anything else is invalid_argument
 // naming the variable (no exceptions: std::strtol with full-string check).

@@ -13,16 +13,13 @@
 #include <cstring>
 #include <fstream>
 
+#include "common/env.h"
 #include "common/fd.h"
 
 namespace hcomm::api {
 
 namespace {
 
-const char* env(const char* name) {
-  const char* v = std::getenv(name);
-  return (v != nullptr && *v != '\0') ? v : nullptr;
-}
 
 std::string numeric(const sockaddr* sa) {
   char buf[INET6_ADDRSTRLEN] = {};

@@ -14,6 +14,7 @@
 #include "api/proto/verbs_wire.h"
 #include "api/transport/shm/shm.h"
 #include "common/barrier.h"
+#include "common/env.h"
 #include "hal/abi/reduce.h"
 
 namespace hcomm::api {
@@ -21,22 +22,6 @@ namespace hcomm::api {
 namespace abi = hal::abi;
 
 namespace {
-
-const char* env(const char* n) {
-  const char* v = std::getenv(n);
-  return v != nullptr && *v != '\0' ? v : nullptr;
-}
-
-Status env_int(const char* name, int lo, int hi, int* out) {
-  const char* v = env(name);
-  if (v == nullptr) return Status::ok();
-  char* end = nullptr;
-  long x = std::strtol(v, &end, 10);
-  if (*end != '\0' || x < lo || x > hi)
-    return Status::error(Code::invalid_argument, "%s='%s': use %d..%d", name, v, lo, hi);
-  *out = static_cast<int>(x);
-  return Status::ok();
-}
 
 std::string memlock_hint() {
   rlimit rl{};
@@ -90,10 +75,14 @@ Status VerbsConfig::from_env(VerbsConfig* out) {
     }
     c.device = v;
   }
-  HCOMM_TRY(env_int("HCOMM_IB_PORT", 1, 255, &c.port));
+  long port = c.port, timeout = c.timeout, retry = c.retry;
+  HCOMM_TRY(env_int("HCOMM_IB_PORT", 1, 255, &port));
   if (const char* g = env("HCOMM_IB_GID")) c.gid = g;
-  HCOMM_TRY(env_int("HCOMM_IB_TIMEOUT", 1, 31, &c.timeout));
-  HCOMM_TRY(env_int("HCOMM_IB_RETRY", 0, 7, &c.retry));
+  HCOMM_TRY(env_int("HCOMM_IB_TIMEOUT", 1, 31, &timeout));
+  HCOMM_TRY(env_int("HCOMM_IB_RETRY", 0, 7, &retry));
+  c.port = static_cast<int>(port);
+  c.timeout = static_cast<int>(timeout);
+  c.retry = static_cast<int>(retry);
   *out = c;
   return Status::ok();
 }
