@@ -41,13 +41,28 @@ hcomm_status_t new_request(Context& ctx, std::shared_ptr<Request> r, hcomm_reque
   return HCOMM_OK;
 }
 
+// The status a finished request hands back to its caller.
+hcomm_status_t finished(const Request& r) {
+  if (r.status != HCOMM_OK) g_last_error = r.error.empty() ? hcomm_strerror(r.status) : r.error;
+  return r.status;
+}
+
+// A blocking call whose timeout passed keeps the cancel rule: its operation
+// is withdrawn (HCOMM_ERR_TIMEOUT), or it ran to its end meanwhile (that
+// status), before the call returns.
+hcomm_status_t timed_out(Context& ctx, const std::shared_ptr<Request>& r, int timeout_ms) {
+  ctx.cancel(r);
+  if (r->status != HCOMM_ERR_CANCELLED) return finished(*r);
+  g_last_error = "timed out after " + std::to_string(timeout_ms) + " ms; the operation was withdrawn (" + r->error + ")";
+  return HCOMM_ERR_TIMEOUT;
+}
+
 // Blocking form = nonblocking form + wait.
 hcomm_status_t run_blocking(Context& ctx, const Status& posted, const std::shared_ptr<Request>& r, int timeout_ms) {
   if (!posted) return ret(posted);
   Status w = ctx.wait(*r, deadline_of(timeout_ms));
-  if (!w) return ret(w);
-  if (r->status != HCOMM_OK) g_last_error = r->error.empty() ? hcomm_strerror(r->status) : r->error;
-  return r->status;
+  if (!w) return timed_out(ctx, r, timeout_ms);
+  return finished(*r);
 }
 
 }  // namespace
@@ -73,6 +88,7 @@ const char* hcomm_strerror(hcomm_status_t s) {
     case HCOMM_ERR_PEER_FAILURE: return "peer failure";
     case HCOMM_ERR_CLOSED: return "closed";
     case HCOMM_ERR_TRUNCATED: return "message truncated";
+    case HCOMM_ERR_CANCELLED: return "cancelled";
   }
   return "unknown status";
 }
@@ -210,6 +226,13 @@ hcomm_status_t hcomm_wait(hcomm_request_t* req, int timeout_ms) {
   if (!st) return ret(st);
   if (req->r->status != HCOMM_OK) g_last_error = req->r->error;
   return req->r->status;
+}
+
+hcomm_status_t hcomm_request_cancel(hcomm_request_t* req) {
+  if (req == nullptr || !req->r) return fail(HCOMM_ERR_INVALID, "null request");
+  std::unique_lock lock(req->ctx->mu());
+  req->ctx->cancel(req->r);
+  return finished(*req->r);
 }
 
 void hcomm_request_free(hcomm_request_t* req) {
@@ -430,7 +453,13 @@ hcomm_status_t hcomm_sendrecv(hcomm_context_t* c, int dest, const void* sbuf, si
   if (!st) return ret(st);
   st = ctx.wait(*sr, dl);
   if (st) st = ctx.wait(*rr, dl);
-  if (!st) return ret(st);
+  if (!st) {
+    // Past the timeout: both halves keep the cancel rule.
+    hcomm_status_t s1 = sr->done() ? finished(*sr) : timed_out(ctx, sr, timeout_ms);
+    hcomm_status_t s2 = rr->done() ? finished(*rr) : timed_out(ctx, rr, timeout_ms);
+    if (info != nullptr && rr->status == HCOMM_OK) *info = rr->info;
+    return s1 != HCOMM_OK ? s1 : s2;
+  }
   if (info != nullptr) *info = rr->info;
   if (sr->status != HCOMM_OK) {
     g_last_error = sr->error;

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -173,6 +174,7 @@ Status Context::init(const hcomm_config_t& cfg) {
   _mems.assign(kMaxRegs, nullptr);
   _slot_gen.assign(kMaxRegs, 0);
   HCOMM_TRY(open_transports(cfg, li, dl));
+  HCOMM_TRY(open_claims(dl));
   // Every rank's transports are wired up before anyone sends: a barrier, so
   // the first message never meets a half-built peer.
   return _boot->barrier(dl);
@@ -353,6 +355,9 @@ Context::~Context() {
   _closing = true;
   for (auto& [key, k] : _rndv_keys) (void)rkey_release(k);
   _rndv_keys.clear();
+  for (hcomm_rkey* k : _claim_keys)
+    if (k != nullptr) (void)rkey_release(k);
+  _claim_keys.clear();
   for (hcomm_mem* m : _mems) {
     if (m == nullptr) continue;
     for (auto it = _transports.rbegin(); it != _transports.rend(); ++it) (*it)->mem_remove(*m);
@@ -366,9 +371,9 @@ Context::~Context() {
 // before we block in a collective that makes no progress: a peer's send may
 // be waiting on exactly that FIN.
 void Context::flush_owed(const Deadline& dl) {
-  while (!_fin_backlog.empty() && !dl.expired()) {
+  while (!_ctl_backlog.empty() && !dl.expired()) {
     progress();
-    if (!_fin_backlog.empty()) cpu_relax();
+    if (!_ctl_backlog.empty()) cpu_relax();
   }
 }
 
@@ -386,6 +391,97 @@ Status Context::finalize(const Deadline& dl) {
   Status b = _boot->barrier(dl);
   _finalized = true;
   return st ? b : st;
+}
+
+// Rendezvous claim words (api/proto/tag.cpp): our word memory, and every
+// rank's key for its words, imported once here.
+Status Context::open_claims(const Deadline& dl) {
+  HCOMM_TRY(mem_alloc(kClaimWords * sizeof(uint64_t), HCOMM_MEM_HOST, HCOMM_ACCESS_REMOTE_ATOMIC, &_claim_mem));
+  uint8_t key[HCOMM_RKEY_MAX];
+  size_t n = sizeof key;
+  HCOMM_TRY(rkey_pack(_claim_mem, key, &n));
+  std::vector<std::string> all;
+  HCOMM_TRY(_boot->allgather(std::string(reinterpret_cast<const char*>(key), n), &all, dl));
+  _claim_keys.assign(static_cast<size_t>(_size), nullptr);
+  for (int r = 0; r < _size; ++r) {
+    const std::string& k = all[static_cast<size_t>(r)];
+    Status st = rkey_import(r, k.data(), k.size(), &_claim_keys[static_cast<size_t>(r)]);
+    if (!st) return Status::error(st.code(), "rank %d's rendezvous claim words: %s", r, st.message().c_str());
+  }
+  _claim_free.reserve(kClaimWords);
+  for (uint32_t i = kClaimWords; i > 0; --i) _claim_free.push_back(i - 1);
+  // The cancel bound: what a transport may take to report an operation
+  // failed, plus liveness, plus a second for scheduling.
+  std::chrono::milliseconds stall{0};
+  for (auto& t : _transports) stall = std::max(stall, t->stall_bound());
+  _cancel_bound = std::chrono::milliseconds(1000) + _peer_check + stall;
+  return Status::ok();
+}
+
+// ---- the cancel rule -------------------------------------------------------------------
+
+// r is held up past the cancel bound by its peer: close that peer, which
+// makes its transports stop touching our memory (verbs: the queue pair goes
+// to error; same host: nothing more is read or written for it).
+void Context::cancel_stuck(Request& r, const char* what) {
+  const std::string why = std::string(what) + " did not finish within the cancel bound (" +
+                          std::to_string(_cancel_bound.count()) + " ms)";
+  if (r.peer >= 0 && r.peer != _rank) peer_failed(_peers[static_cast<size_t>(r.peer)], why);
+  r.complete(HCOMM_ERR_PEER_FAILURE, "rank " + std::to_string(r.peer) + ": " + why);
+}
+
+void Context::cancel_send(const std::shared_ptr<Request>& rp, const Deadline& dl) {
+  Request& r = *rp;
+  Peer& p = _peers[static_cast<size_t>(r.peer)];
+  // Not yet handed to the lane: withdraw it.
+  if (auto it = std::find(p.backlog.begin(), p.backlog.end(), rp); it != p.backlog.end()) {
+    p.backlog.erase(it);
+    send_done(r, HCOMM_ERR_CANCELLED, "cancelled before it was sent");
+    return;
+  }
+  auto pend = _pending_sends.find(r.id);
+  if (pend == _pending_sends.end() || r.claim == kNoSlot) return;  // completes by itself (FIN or failure)
+  // A rendezvous: take our claim word back unless the receiver won it.
+  auto g = std::make_shared<Request>();
+  g->peer = _rank;
+  g->id = next_id();
+  uint64_t old = 0;
+  (void)claim_cas(_claim_keys[static_cast<size_t>(_rank)], r.claim, claim_token(r.id, kExposed),
+                  claim_token(r.id, kRetracted), &old, g);
+  if (!spin_wait([&] { return g->done(); }, true, dl)) return cancel_stuck(r, "retracting a rendezvous send");
+  if (r.done()) return;  // the FIN came meanwhile
+  if (g->status != HCOMM_OK || old != claim_token(r.id, kExposed)) return;  // claimed: wait for the FIN
+  _pending_sends.erase(r.id);
+  MsgHdr h{};
+  h.type = static_cast<uint32_t>(MsgType::retract);
+  h.sreq = r.id;
+  post_ctl(r.peer, h);
+  send_done(r, HCOMM_ERR_CANCELLED, "cancelled before the receiver matched it");
+}
+
+void Context::cancel(const std::shared_ptr<Request>& rp) {
+  Request& r = *rp;
+  const Deadline dl = Deadline::after_ms(static_cast<int>(_cancel_bound.count()));
+  progress();
+  if (r.done()) return;
+  if (r.kind == Request::Kind::recv) {
+    // Posted and unmatched (a lost claim leaves it posted again): withdraw.
+    auto withdrawable = [&] { return !r.claiming && std::find(_posted.begin(), _posted.end(), rp) != _posted.end(); };
+    if (!withdrawable() && !spin_wait([&] { return r.done() || withdrawable(); }, true, dl))
+      return cancel_stuck(r, "a matched receive");
+    if (r.done()) return;
+    _posted.remove(rp);
+    r.complete(HCOMM_ERR_CANCELLED, "cancelled before a message matched it");
+    return;
+  }
+  if (r.kind == Request::Kind::send) {
+    cancel_send(rp, dl);
+    if (r.done()) return;
+  }
+  // In flight (a claimed rendezvous send, an RMA on an asynchronous lane):
+  // it cannot be called back; wait until no engine touches its buffers.
+  if (!spin_wait([&] { return r.done(); }, true, dl))
+    cancel_stuck(r, r.kind == Request::Kind::send ? "a send the receiver is reading" : "a one-sided operation");
 }
 
 // ---- peers: liveness and the control plane ------------------------------------------
@@ -454,6 +550,9 @@ void Context::peer_failed(Peer& p, const std::string& why) {
   p.backlog.clear();
   for (Pull& u : _pulls)
     if (u.source == p.rank) u.read->complete(HCOMM_ERR_PEER_FAILURE, p.why_dead);
+  // A claim on its word is lost with it (the RTS is dropped).
+  for (Claim& c : _claims)
+    if (c.source == p.rank) c.op->complete(HCOMM_ERR_PEER_FAILURE, p.why_dead);
   for (auto it = _pending_sends.begin(); it != _pending_sends.end();) {
     if (it->second->peer == p.rank) {
       send_done(*it->second, HCOMM_ERR_PEER_FAILURE, p.why_dead);
@@ -478,20 +577,14 @@ void Context::peer_failed(Peer& p, const std::string& why) {
 
 void Context::progress() {
   for (auto& t : _transports) t->progress();
+  if (!_claims.empty()) finish_claims();
   if (!_pulls.empty()) finish_pulls();
   for (Peer& p : _peers) {
     if (p.rank == _rank || !p.alive) continue;
     while (!p.backlog.empty() && try_send(p, p.backlog.front())) p.backlog.pop_front();
   }
-  while (!_fin_backlog.empty()) {
-    auto& [peer, h] = _fin_backlog.front();
-    if (!_peers[static_cast<size_t>(peer)].alive) {
-      _fin_backlog.pop_front();
-      continue;
-    }
-    if (!post_fin(_peers[static_cast<size_t>(peer)], h.sreq, static_cast<hcomm_status_t>(h.status))) break;
-    _fin_backlog.pop_front();
-  }
+  while (!_ctl_backlog.empty() && try_ctl(_ctl_backlog.front().first, _ctl_backlog.front().second))
+    _ctl_backlog.pop_front();
   check_peers(false);
 }
 

@@ -35,6 +35,13 @@ class NpuTransport;
 hcomm_status_t to_hcomm(Code c);
 Code from_hcomm(hcomm_status_t s);
 
+// Rendezvous claim words (api/proto/tag.cpp): how many rendezvous sends a
+// rank may have in flight, and what a word holds: the send's request id and
+// its state.
+inline constexpr uint32_t kClaimWords = 4096;
+enum : uint64_t { kExposed = 1, kClaimed = 2, kRetracted = 3 };
+constexpr uint64_t claim_token(uint64_t sreq, uint64_t state) { return (sreq << 2) | state; }
+
 // ---- requests ---------------------------------------------------------------------------
 struct Request {
   enum class Kind { send, recv, rma };
@@ -60,6 +67,10 @@ struct Request {
   void* exposed = nullptr;
   Transport* exposed_by = nullptr;
   uint32_t exposed_rkey = 0;
+  uint32_t claim = UINT32_MAX;  // rendezvous send: index of its claim word (api/proto/tag.cpp)
+  // receive: matched a rendezvous and waiting for the claim on the sender's
+  // word to resolve; it keeps its place among the posted receives meanwhile
+  bool claiming = false;
   bool done() const { return status != HCOMM_IN_PROGRESS; }
   void complete(hcomm_status_t st, const std::string& why = "") {
     if (done()) return;
@@ -167,6 +178,14 @@ class Context final : public AmSink {
   void on_am(int peer, const MsgHdr& h, const uint8_t* payload) override;
   void on_peer_failed(int peer, const std::string& why) override { peer_failed(_peers[peer], why); }
 
+  // The cancel rule (docs/api.md): withdraws r (it completes with
+  // HCOMM_ERR_CANCELLED and no peer ever sees it), or waits until it
+  // completed and no engine touches its buffers any more. Past the cancel
+  // bound, the peer that holds it up is declared failed (which stops its
+  // transports touching our memory) and r fails with HCOMM_ERR_PEER_FAILURE.
+  void cancel(const std::shared_ptr<Request>& r);
+  std::chrono::milliseconds cancel_bound() const { return _cancel_bound; }
+
   // Waits (bounded) for control messages from `peer` and dispatches them;
   // used by transports that wait for a peer's wire-up data.
   Status pump_control(Peer& p, const Deadline& dl);
@@ -177,6 +196,7 @@ class Context final : public AmSink {
   Status add_mem(std::unique_ptr<hcomm_mem> m, hcomm_mem** out);
   Status open_transports(const hcomm_config_t& cfg, const LaunchInfo& li, const Deadline& dl);
   Status choose_lanes(const std::vector<std::string>& forced, const std::string& verbs_why);
+  Status open_claims(const Deadline& dl);
   void drain_socket(Peer& p);
   void check_peers(bool force);
   void peer_failed(Peer& p, const std::string& why);
@@ -188,12 +208,30 @@ class Context final : public AmSink {
   // two-sided internals (api/proto/tag.cpp)
   bool try_send(Peer& p, const std::shared_ptr<Request>& r);
   hcomm_rkey* rendezvous_key(int source, uint32_t slot, uint32_t gen);
+  std::list<std::shared_ptr<Request>>::iterator find_posted(int source, uint64_t tag);
   std::shared_ptr<Request> take_posted(int source, uint64_t tag);
-  void deliver(const std::shared_ptr<Request>& r, int source, const MsgHdr& h, const uint8_t* payload);
+  bool match_deferred() const { return !_claims.empty(); }
+  // A message meets the posted receive at `it`: eager payloads are copied
+  // and the receive completes; a rendezvous starts the claim on the sender's
+  // word. True when the receive took the message (false: the sender had
+  // retracted it).
+  bool match(std::list<std::shared_ptr<Request>>::iterator it, int source, const MsgHdr& h, const uint8_t* payload);
+  void deliver_eager(Request& r, int source, const MsgHdr& h, const uint8_t* payload);
+  void start_claim(const std::shared_ptr<Request>& r, int source, const MsgHdr& h);
+  void claim_resolved(const std::shared_ptr<Request>& r, int source, const MsgHdr& h, bool won);
+  void finish_claims();
+  void rematch();
+  Status claim_cas(hcomm_rkey* k, uint32_t idx, uint64_t compare, uint64_t swap, uint64_t* old,
+                   const std::shared_ptr<Request>& g);
+  void cancel_send(const std::shared_ptr<Request>& r, const Deadline& dl);
+  void cancel_stuck(Request& r, const char* what);
   void pull(const std::shared_ptr<Request>& r, int source, const MsgHdr& h);
   void finish_pulls();
   void send_done(Request& r, hcomm_status_t st, const std::string& why);
-  bool post_fin(Peer& p, uint64_t sreq, hcomm_status_t st);
+  // Control messages (FIN, RETRACT) go out now or wait in _ctl_backlog;
+  // they may overtake queued sends.
+  void post_ctl(int peer, const MsgHdr& h);
+  bool try_ctl(int peer, const MsgHdr& h);
 
   std::mutex _mu;
   int _rank = 0, _size = 1, _local_rank = 0;
@@ -216,7 +254,20 @@ class Context final : public AmSink {
   std::map<uint64_t, std::shared_ptr<Request>> _pending_sends;  // rendezvous awaiting FIN
   std::list<std::shared_ptr<Request>> _posted;                   // receives
   std::list<Unexpected> _unexpected;
-  std::deque<std::pair<int, MsgHdr>> _fin_backlog;               // FINs waiting for room
+  std::deque<std::pair<int, MsgHdr>> _ctl_backlog;               // FIN/RETRACT waiting for room
+  // Rendezvous claims (api/proto/tag.cpp): one word per rendezvous send in
+  // our claim memory; every rank holds every rank's key for it.
+  hcomm_mem* _claim_mem = nullptr;
+  std::vector<hcomm_rkey*> _claim_keys;  // by rank, self included
+  std::vector<uint32_t> _claim_free;
+  struct Claim {
+    std::shared_ptr<Request> recv, op;
+    uint64_t old = 0;
+    int source = -1;
+    MsgHdr h{};
+  };
+  std::list<Claim> _claims;  // claims in flight on asynchronous lanes
+  std::chrono::milliseconds _cancel_bound{1000};
   // Rendezvous reads in flight: the receive completes, and the FIN goes out,
   // when the read does.
   struct Pull {

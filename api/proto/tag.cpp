@@ -9,6 +9,8 @@
 //    RMA lane that reaches the sender's memory (a read through the key, else
 //    a raw read of the sender's address space), then answers FIN; the send
 //    completes at FIN.
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "api/core/context.h"
@@ -35,9 +37,18 @@ bool Context::try_send(Peer& p, const std::shared_ptr<Request>& rp) {
     return true;
   }
   // Rendezvous: the receiver pulls the payload once from our buffer; we tell
-  // it where, and whether the buffer is shareable registered memory.
+  // it where, and whether the buffer is shareable registered memory. It
+  // reads only after winning the claim word; we retract by winning it first.
+  if (r.claim == kNoSlot) {
+    if (_claim_free.empty()) return false;  // every word is in use: wait for a FIN
+    r.claim = _claim_free.back();
+    _claim_free.pop_back();
+    std::atomic_ref<uint64_t>(reinterpret_cast<uint64_t*>(_claim_mem->ptr)[r.claim])
+        .store(claim_token(r.id, kExposed), std::memory_order_release);
+  }
   h.type = static_cast<uint32_t>(MsgType::rts);
   h.addr = reinterpret_cast<uint64_t>(r.sbuf);
+  h.status = r.claim;
   h.src_slot = kNoSlot;
   if (const hcomm_mem* m = find_local(r.sbuf, r.slen); m != nullptr && m->kind == MemKind::host_alloc) {
     h.src_slot = m->slot;
@@ -47,7 +58,7 @@ bool Context::try_send(Peer& p, const std::shared_ptr<Request>& rp) {
   if (r.exposed_by == nullptr) {
     Status st = p.am->expose(r, h);
     if (!st) {
-      r.complete(to_hcomm(st.code()), "rendezvous: " + st.message());
+      send_done(r, to_hcomm(st.code()), "rendezvous: " + st.message());
       return true;  // consumed: failed
     }
     r.exposed_by = p.am;
@@ -59,27 +70,34 @@ bool Context::try_send(Peer& p, const std::shared_ptr<Request>& rp) {
   return true;
 }
 
-bool Context::post_fin(Peer& p, uint64_t sreq, hcomm_status_t st) {
-  // FINs are not ordered with sends: they may overtake the backlog.
-  MsgHdr h{};
-  h.type = static_cast<uint32_t>(MsgType::fin);
-  h.sreq = sreq;
-  h.status = static_cast<uint32_t>(st);
-  return p.am->am_send(p.rank, h, nullptr, 0);
+bool Context::try_ctl(int peer, const MsgHdr& h) {
+  Peer& p = _peers[static_cast<size_t>(peer)];
+  return !p.alive || p.am->am_send(peer, h, nullptr, 0);
+}
+
+void Context::post_ctl(int peer, const MsgHdr& h) {
+  if (!_ctl_backlog.empty() || !try_ctl(peer, h)) _ctl_backlog.emplace_back(peer, h);
 }
 
 // The first posted receive (in posting order) that a message from `source`
-// with `tag` matches, removed from the posted list; null if none.
-std::shared_ptr<Request> Context::take_posted(int source, uint64_t tag) {
+// with `tag` matches; end() if none, or if the first that matches is
+// waiting on a claim (the message must wait: it belongs to that receive if
+// the claim is lost).
+std::list<std::shared_ptr<Request>>::iterator Context::find_posted(int source, uint64_t tag) {
   for (auto it = _posted.begin(); it != _posted.end(); ++it) {
     const Request& r = **it;
-    if ((r.peer == HCOMM_ANY_SOURCE || r.peer == source) && tag_match(tag, r.tag, r.tag_mask)) {
-      std::shared_ptr<Request> keep = std::move(*it);
-      _posted.erase(it);
-      return keep;
-    }
+    if ((r.peer == HCOMM_ANY_SOURCE || r.peer == source) && tag_match(tag, r.tag, r.tag_mask))
+      return r.claiming ? _posted.end() : it;
   }
-  return nullptr;
+  return _posted.end();
+}
+
+std::shared_ptr<Request> Context::take_posted(int source, uint64_t tag) {
+  auto it = find_posted(source, tag);
+  if (it == _posted.end()) return nullptr;
+  std::shared_ptr<Request> keep = std::move(*it);
+  _posted.erase(it);
+  return keep;
 }
 
 void Context::on_am(int peer, const MsgHdr& h, const uint8_t* payload) {
@@ -93,34 +111,143 @@ void Context::on_am(int peer, const MsgHdr& h, const uint8_t* payload) {
     _pending_sends.erase(it);
     return;
   }
-  if (std::shared_ptr<Request> r = take_posted(peer, h.tag)) {
-    deliver(r, peer, h, payload);
+  if (h.type == static_cast<uint32_t>(MsgType::retract)) {
+    // The sender won its claim word back: drop its RTS if it still waits
+    // here (a receive that matched it meanwhile loses the claim instead).
+    for (auto it = _unexpected.begin(); it != _unexpected.end(); ++it) {
+      if (it->source == peer && it->hdr.type == static_cast<uint32_t>(MsgType::rts) && it->hdr.sreq == h.sreq) {
+        _unexpected.erase(it);
+        break;
+      }
+    }
     return;
+  }
+  if (!match_deferred()) {
+    if (auto it = find_posted(peer, h.tag); it != _posted.end() && match(it, peer, h, payload)) return;
   }
   Unexpected u{peer, h, {}};
   if (h.type == static_cast<uint32_t>(MsgType::eager)) u.payload.assign(payload, payload + h.len);
   _unexpected.push_back(std::move(u));
 }
 
-// A rendezvous send is over: release what its lane exposed, complete it.
+// A rendezvous send is over: release what its lane exposed and its claim
+// word, complete it.
 void Context::send_done(Request& r, hcomm_status_t st, const std::string& why) {
   if (r.exposed_by != nullptr) r.exposed_by->unexpose(r);
   r.exposed_by = nullptr;
+  if (r.claim != kNoSlot) _claim_free.push_back(r.claim);
+  r.claim = kNoSlot;
   r.complete(st, why);
 }
 
-void Context::deliver(const std::shared_ptr<Request>& rp, int source, const MsgHdr& h, const uint8_t* payload) {
-  Request& r = *rp;
+void Context::deliver_eager(Request& r, int source, const MsgHdr& h, const uint8_t* payload) {
   r.info = {source, h.tag, static_cast<size_t>(h.total)};
+  size_t n = std::min<size_t>(h.len, r.rlen);
+  if (n > 0) std::memcpy(r.rbuf, payload, n);
+  r.complete(h.total > r.rlen ? HCOMM_ERR_TRUNCATED : HCOMM_OK,
+             h.total > r.rlen ? "message of " + std::to_string(h.total) + " bytes, buffer of " + std::to_string(r.rlen)
+                              : "");
+}
+
+bool Context::match(std::list<std::shared_ptr<Request>>::iterator it, int source, const MsgHdr& h,
+                    const uint8_t* payload) {
+  std::shared_ptr<Request> r = *it;
   if (h.type == static_cast<uint32_t>(MsgType::eager)) {
-    size_t n = std::min<size_t>(h.len, r.rlen);
-    if (n > 0) std::memcpy(r.rbuf, payload, n);
-    r.complete(h.total > r.rlen ? HCOMM_ERR_TRUNCATED : HCOMM_OK,
-               h.total > r.rlen ? "message of " + std::to_string(h.total) + " bytes, buffer of " + std::to_string(r.rlen)
-                                : "");
+    _posted.erase(it);
+    deliver_eager(*r, source, h, payload);
+    return true;
+  }
+  start_claim(r, source, h);
+  // Won (pulling: no longer posted) or undecided (claiming): taken.
+  return r->claiming || r->done() || std::find(_posted.begin(), _posted.end(), r) == _posted.end();
+}
+
+// Rendezvous claims. Every rendezvous send owns a word in its sender's claim
+// memory, set to (id, exposed) before the RTS goes out. A receive that
+// matches the RTS compare-swaps it to (id, claimed) on the word's atomicity
+// agent before it reads a byte; a sender that cancels compare-swaps it to
+// (id, retracted). Exactly one wins: a retracted send is never read and its
+// receiver behaves as if it never arrived; a claimed send is read to the
+// end and FINned. On a synchronous lane (shm) the claim resolves inside the
+// call; on an asynchronous one (verbs, npu) the receive keeps its place in
+// the posted list while the claim is in flight, and matching waits for it
+// (messages queue as unexpected and are matched, in arrival order, when no
+// claim is left).
+Status Context::claim_cas(hcomm_rkey* k, uint32_t idx, uint64_t compare, uint64_t swap, uint64_t* old,
+                          const std::shared_ptr<Request>& g) {
+  RmaOp op;
+  op.op = Rma::cswap;
+  op.rkey = k;
+  op.roff = uint64_t{idx} * 8;
+  op.len = 8;
+  op.compare = compare;
+  op.operand = swap;
+  op.old_value = old;
+  Status st = k->alane->caps().sync ? k->alane->rma(op, nullptr) : k->alane->rma(op, g);
+  if (k->alane->caps().sync || !st) g->complete(st ? HCOMM_OK : to_hcomm(st.code()), st.message());
+  return st;
+}
+
+void Context::start_claim(const std::shared_ptr<Request>& rp, int source, const MsgHdr& h) {
+  Peer& p = _peers[static_cast<size_t>(source)];
+  hcomm_rkey* k = _claim_keys.empty() ? nullptr : _claim_keys[static_cast<size_t>(source)];
+  if (k == nullptr || h.status == kNoSlot || uint64_t{h.status} >= k->h.size / 8) {
+    // Every sender of this build names a word: a missing or wild one is a
+    // malformed RTS. The receive stays posted.
+    peer_failed(p, "RTS names claim word " + std::to_string(h.status) + ", not one of its " +
+                       std::to_string(k != nullptr ? k->h.size / 8 : 0));
     return;
   }
+  rp->claiming = true;
+  _claims.push_back({rp, std::make_shared<Request>(), 0, source, h});
+  Claim& c = _claims.back();
+  c.op->peer = source;
+  c.op->id = next_id();
+  (void)claim_cas(k, h.status, claim_token(h.sreq, kExposed), claim_token(h.sreq, kClaimed), &c.old, c.op);
+  if (!c.op->done()) return;
+  // Resolved at once (synchronous lane, or the lane refused).
+  Claim done = std::move(c);
+  _claims.pop_back();
+  claim_resolved(done.recv, source, h, done.op->status == HCOMM_OK && done.old == claim_token(h.sreq, kExposed));
+}
+
+void Context::claim_resolved(const std::shared_ptr<Request>& rp, int source, const MsgHdr& h, bool won) {
+  rp->claiming = false;
+  if (rp->done()) return;  // failed meanwhile (its peer failed)
+  if (!won) return;        // retracted (or its sender is gone): as if never sent; the receive stays posted
+  _posted.remove(rp);
+  rp->info = {source, h.tag, static_cast<size_t>(h.total)};
   pull(rp, source, h);
+}
+
+void Context::finish_claims() {
+  bool resolved = false;
+  for (auto it = _claims.begin(); it != _claims.end();) {
+    if (!it->op->done()) {
+      ++it;
+      continue;
+    }
+    Claim c = std::move(*it);
+    it = _claims.erase(it);
+    claim_resolved(c.recv, c.source, c.h, c.op->status == HCOMM_OK && c.old == claim_token(c.h.sreq, kExposed));
+    resolved = true;
+  }
+  if (resolved && _claims.empty()) rematch();
+}
+
+// Matching resumes: unexpected messages, in arrival order, meet the posted
+// receives, as if every receive had been posted before they arrived.
+void Context::rematch() {
+  for (auto it = _unexpected.begin(); it != _unexpected.end() && !match_deferred();) {
+    auto pit = find_posted(it->source, it->hdr.tag);
+    if (pit == _posted.end()) {
+      ++it;
+      continue;
+    }
+    Unexpected u = std::move(*it);
+    it = _unexpected.erase(it);
+    (void)match(pit, u.source, u.hdr, u.payload.data());
+  }
 }
 
 // The sender's registration, imported once and cached while its generation
@@ -199,13 +326,11 @@ void Context::finish_pulls() {
       if (st != HCOMM_ERR_PEER_FAILURE) st = HCOMM_ERR_PROTOCOL;
       why = "rendezvous pull from rank " + std::to_string(it->source) + ": " + it->read->error;
     }
-    Peer& p = _peers[static_cast<size_t>(it->source)];
-    if (p.alive && !post_fin(p, it->sreq, st)) {
-      MsgHdr f{};
-      f.sreq = it->sreq;
-      f.status = static_cast<uint32_t>(st);
-      _fin_backlog.emplace_back(it->source, f);
-    }
+    MsgHdr f{};
+    f.type = static_cast<uint32_t>(MsgType::fin);
+    f.sreq = it->sreq;
+    f.status = static_cast<uint32_t>(st);
+    post_ctl(it->source, f);
     if (st == HCOMM_OK && it->total > r.rlen) {
       st = HCOMM_ERR_TRUNCATED;
       why = "message of " + std::to_string(it->total) + " bytes, buffer of " + std::to_string(r.rlen);
@@ -228,7 +353,7 @@ Status Context::isend(int dest, const void* buf, size_t len, uint64_t tag, std::
   *out = r;
   if (dest == _rank) {
     // To ourselves: match like any other message, copying directly.
-    if (std::shared_ptr<Request> q = take_posted(_rank, tag)) {
+    if (std::shared_ptr<Request> q = match_deferred() ? nullptr : take_posted(_rank, tag)) {
       size_t n = std::min(len, q->rlen);
       if (n > 0) std::memcpy(q->rbuf, buf, n);
       q->info = {_rank, tag, len};
@@ -269,14 +394,28 @@ Status Context::irecv(int source, void* buf, size_t len, uint64_t tag, uint64_t 
   r->tag_mask = mask;
   *out = r;
   progress();  // pull in what has arrived so the unexpected queue is current
-  for (auto it = _unexpected.begin(); it != _unexpected.end(); ++it) {
-    if ((source == HCOMM_ANY_SOURCE || source == it->source) && tag_match(it->hdr.tag, tag, mask)) {
-      Unexpected u = std::move(*it);
-      _unexpected.erase(it);
-      deliver(r, u.source, u.hdr, u.payload.data());
+  // While a claim is in flight, matching waits (see rematch): post.
+  bool posted = false;
+  for (auto it = _unexpected.begin(); it != _unexpected.end() && !match_deferred();) {
+    if (!((source == HCOMM_ANY_SOURCE || source == it->source) && tag_match(it->hdr.tag, tag, mask))) {
+      ++it;
+      continue;
+    }
+    Unexpected u = std::move(*it);
+    it = _unexpected.erase(it);
+    if (u.hdr.type == static_cast<uint32_t>(MsgType::eager)) {
+      if (posted) _posted.remove(r);
+      deliver_eager(*r, u.source, u.hdr, u.payload.data());
       return Status::ok();
     }
+    if (!posted) _posted.push_back(r);
+    posted = true;
+    start_claim(r, u.source, u.hdr);
+    if (r->claiming || r->done() || std::find(_posted.begin(), _posted.end(), r) == _posted.end())
+      return Status::ok();
+    // The sender had retracted it: look further.
   }
+  if (posted) return Status::ok();
   if (source != HCOMM_ANY_SOURCE && source != _rank && !_peers[static_cast<size_t>(source)].alive)
     return Status(Code::peer_failure, _peers[static_cast<size_t>(source)].why_dead);
   _posted.push_back(r);

@@ -51,7 +51,7 @@ struct Caps {
 };
 
 // ---- active messages: the protocol's headers (64 bytes, then payload) ----
-enum class MsgType : uint32_t { eager = 1, rts = 2, fin = 3 };
+enum class MsgType : uint32_t { eager = 1, rts = 2, fin = 3, retract = 4 };
 inline constexpr uint32_t kNoSlot = 0xffffffffu;
 
 struct MsgHdr {
@@ -64,7 +64,7 @@ struct MsgHdr {
   uint32_t src_slot; // rts: registration of the sender's buffer (kNoSlot if none)
   uint32_t src_gen;
   uint64_t src_off;  // rts: offset of the buffer in that registration
-  uint32_t status;   // fin: hcomm_status_t of the receiver's pull
+  uint32_t status;   // fin: hcomm_status_t of the receiver's pull; rts: the sender's claim word (kNoSlot: none)
   uint32_t rkey;     // rts: the key of the sender's buffer on a lane that needs one (verbs)
 };
 static_assert(sizeof(MsgHdr) == 64);
@@ -152,6 +152,10 @@ class Transport {
 
   // Completions and inbound messages.
   virtual void progress() {}
+  // How long an operation already handed to this transport can go on
+  // before the transport itself reports it failed (verbs: the queue pair's
+  // ACK timeout times its retries); part of the cancel bound.
+  virtual std::chrono::milliseconds stall_bound() const { return std::chrono::milliseconds(0); }
   // The peer failed: fail what is queued for it.
   virtual void peer_failed(int /*peer*/, const std::string& /*why*/) {}
 };

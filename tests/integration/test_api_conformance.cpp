@@ -306,6 +306,246 @@ TEST_P(Api, NonblockingManyOutstanding) {
   });
 }
 
+// ---- the cancel rule ----------------------------------------------------------------------
+// A call that returned never touches the caller's memory again: a blocking
+// call that timed out has withdrawn its operation, and hcomm_request_cancel
+// withdraws or runs to the end, never half. ASan cannot see the kernel, a
+// NIC or the simulator write late, so buffers get canaries after the call
+// returns and are checked after the peer had every chance to write them.
+
+constexpr uint8_t kCanary = 0xc5;
+bool all_canary(const std::vector<uint8_t>& b) {
+  return std::all_of(b.begin(), b.end(), [](uint8_t x) { return x == kCanary; });
+}
+// Drives progress for a while (the peer's late message arrives meanwhile).
+void progress_for(hcomm_context_t* ctx, int ms) {
+  auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+  while (std::chrono::steady_clock::now() < end) RCHECK_OK(hcomm_progress(ctx));
+}
+
+TEST_P(Api, TimedOutBlockingCallsHaveWithdrawnTheirOperation) {
+  run([](hcomm_context_t* ctx, int me, int n) {
+    (void)n;
+    hcomm_mem_t* reg;
+    RCHECK_OK(hcomm_mem_alloc(ctx, size_t{1} << 20, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &reg));
+    for (size_t s : {size_t{64}, size_t{1} << 20}) {
+      // (a) a receive that timed out is unposted: the message that comes
+      // later is not written into its buffer, and the next receive gets it.
+      const uint64_t ta = 100 + s;
+      if (me == 0) {
+        std::vector<uint8_t> b(s, 0);
+        RCHECK_EQ_STATUS(hcomm_recv(ctx, 1, b.data(), s, ta, HCOMM_TAG_MASK_ALL, nullptr, 100), HCOMM_ERR_TIMEOUT);
+        RCHECK(std::strstr(hcomm_last_error(), "withdrawn") != nullptr) << hcomm_last_error();
+        std::fill(b.begin(), b.end(), kCanary);
+        RCHECK_OK(hcomm_barrier(ctx, T));  // rank 1 sends now
+        progress_for(ctx, 50);
+        RCHECK(all_canary(b)) << "size " << s << ": a timed-out receive's buffer was written";
+        std::vector<uint8_t> c(s, 0);
+        hcomm_recv_info_t info;
+        RCHECK_OK(hcomm_recv(ctx, 1, c.data(), s, ta, HCOMM_TAG_MASK_ALL, &info, T));
+        RCHECK(info.length == s);
+        for (size_t i = 0; i < s; ++i) RCHECK(c[i] == pattern(1, s, i)) << "size " << s << " byte " << i;
+      } else if (me == 1) {
+        std::vector<uint8_t> b(s);
+        for (size_t i = 0; i < s; ++i) b[i] = pattern(1, s, i);
+        RCHECK_OK(hcomm_barrier(ctx, T));
+        RCHECK_OK(hcomm_send(ctx, 0, b.data(), s, ta, T));
+      } else {
+        RCHECK_OK(hcomm_barrier(ctx, T));
+      }
+      RCHECK_OK(hcomm_barrier(ctx, T));
+    }
+    // (b) a rendezvous send that timed out is retracted: the receiver, which
+    // posts later, never sees it, from a plain buffer or registered memory.
+    const size_t s = size_t{1} << 20;
+    for (int registered = 0; registered < 2; ++registered) {
+      const uint64_t tb = 200 + static_cast<uint64_t>(registered);
+      if (me == 1) {
+        std::vector<uint8_t> plain(s);
+        uint8_t* b = registered ? static_cast<uint8_t*>(hcomm_mem_ptr(reg)) : plain.data();
+        for (size_t i = 0; i < s; ++i) b[i] = pattern(7, s, i);
+        RCHECK_EQ_STATUS(hcomm_send(ctx, 0, b, s, tb, 100), HCOMM_ERR_TIMEOUT);
+        std::memset(b, kCanary, s);  // reused at once, as a caller may
+        RCHECK_OK(hcomm_barrier(ctx, T));
+        std::vector<uint8_t> second(s);
+        for (size_t i = 0; i < s; ++i) second[i] = pattern(8, s, i);
+        RCHECK_OK(hcomm_send(ctx, 0, second.data(), s, tb, T));
+      } else if (me == 0) {
+        RCHECK_OK(hcomm_barrier(ctx, T));
+        std::vector<uint8_t> c(s, 0);
+        RCHECK_OK(hcomm_recv(ctx, 1, c.data(), s, tb, HCOMM_TAG_MASK_ALL, nullptr, T));
+        for (size_t i = 0; i < s; ++i)
+          RCHECK(c[i] == pattern(8, s, i)) << "registered=" << registered << " byte " << i
+                                           << ": got the retracted send (or its reused buffer)";
+        int found = 1;
+        RCHECK_OK(hcomm_probe(ctx, 1, tb, HCOMM_TAG_MASK_ALL, &found, nullptr));
+        RCHECK(found == 0) << "the retracted send is still visible";
+      } else {
+        RCHECK_OK(hcomm_barrier(ctx, T));
+      }
+      RCHECK_OK(hcomm_barrier(ctx, T));
+    }
+    // (c) sendrecv: both halves are withdrawn when it times out.
+    if (me == 0) {
+      std::vector<uint8_t> out(s, 1), in(64, 0);
+      RCHECK_EQ_STATUS(hcomm_sendrecv(ctx, 1, out.data(), s, 300, 1, in.data(), in.size(), 301, HCOMM_TAG_MASK_ALL,
+                                      nullptr, 100),
+                       HCOMM_ERR_TIMEOUT);
+      std::fill(in.begin(), in.end(), kCanary);
+      RCHECK_OK(hcomm_barrier(ctx, T));
+      progress_for(ctx, 50);
+      RCHECK(all_canary(in)) << "a timed-out sendrecv's receive buffer was written";
+      RCHECK_OK(hcomm_barrier(ctx, T));
+    } else if (me == 1) {
+      RCHECK_OK(hcomm_barrier(ctx, T));
+      uint8_t v[64] = {9};
+      RCHECK_OK(hcomm_send(ctx, 0, v, sizeof v, 301, T));  // arrives after the receive was withdrawn
+      progress_for(ctx, 20);
+      int found = 1;
+      RCHECK_OK(hcomm_probe(ctx, 0, 300, HCOMM_TAG_MASK_ALL, &found, nullptr));
+      RCHECK(found == 0) << "the send half of a timed-out sendrecv arrived";
+      RCHECK_OK(hcomm_barrier(ctx, T));
+    } else {
+      RCHECK_OK(hcomm_barrier(ctx, T));
+      RCHECK_OK(hcomm_barrier(ctx, T));
+    }
+    if (me == 0) {  // the late 64 bytes are a message like any other
+      uint8_t v[64];
+      RCHECK_OK(hcomm_recv(ctx, 1, v, sizeof v, 301, HCOMM_TAG_MASK_ALL, nullptr, T));
+    }
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    RCHECK_OK(hcomm_mem_release(reg));
+  });
+}
+
+// Cancel races the peer at random moments: whichever side wins, the outcome
+// is whole (cancelled: the peer never sees it, the buffer is untouched;
+// completed: every byte right). The seed is printed so a failure replays.
+TEST_P(Api, CancelIsCancelledOrCompletedNeverHalf) {
+  run([](hcomm_context_t* ctx, int me, int n) {
+    (void)n;
+    const size_t s = size_t{256} << 10;
+    const unsigned seed = 12345u + static_cast<unsigned>(me);
+    std::mt19937 rng(seed);
+    std::uniform_int_distribution<int> pause_us(0, 3000);
+    int outcomes[2] = {};  // [completed]
+    auto nap = [&] { std::this_thread::sleep_for(std::chrono::microseconds(pause_us(rng))); };
+    if (me > 1) {
+      RCHECK_OK(hcomm_barrier(ctx, T));
+      return;
+    }
+    // Nonblocking forms first, with no peer: an unmatched receive and a
+    // rendezvous send are withdrawn; an eager send has completed already.
+    {
+      std::vector<uint8_t> b(s, 0);
+      hcomm_request_t* q;
+      RCHECK_OK(hcomm_irecv(ctx, 1 - me, b.data(), s, 999, HCOMM_TAG_MASK_ALL, &q));
+      RCHECK_EQ_STATUS(hcomm_request_cancel(q), HCOMM_ERR_CANCELLED);
+      int done = 0;
+      RCHECK_EQ_STATUS(hcomm_test(q, &done), HCOMM_ERR_CANCELLED);
+      RCHECK(done == 1);
+      RCHECK_EQ_STATUS(hcomm_request_cancel(q), HCOMM_ERR_CANCELLED);  // again: the same final status
+      hcomm_request_free(q);
+      uint64_t small = 5;
+      RCHECK_OK(hcomm_isend(ctx, 1 - me, &small, 8, 998, &q));
+      RCHECK_OK(hcomm_request_cancel(q));  // eager: already complete, delivered as sent
+      hcomm_request_free(q);
+      uint64_t got = 0;
+      RCHECK_OK(hcomm_recv(ctx, 1 - me, &got, 8, 998, HCOMM_TAG_MASK_ALL, nullptr, T));
+      RCHECK(got == 5);
+    }
+    for (int it = 0; it < 40; ++it) {
+      const bool sender_cancels = it % 2 == 0;
+      const uint64_t tag = 1000 + static_cast<uint64_t>(it), verdict_tag = 5000 + static_cast<uint64_t>(it);
+      if (me == 1) {
+        std::vector<uint8_t> b(s);
+        for (size_t i = 0; i < s; ++i) b[i] = pattern(it, s, i);
+        hcomm_request_t* q;
+        RCHECK_OK(hcomm_isend(ctx, 0, b.data(), s, tag, &q));
+        int32_t verdict;
+        if (sender_cancels) {
+          nap();
+          hcomm_status_t st = hcomm_request_cancel(q);
+          RCHECK(st == HCOMM_OK || st == HCOMM_ERR_CANCELLED) << hcomm_strerror(st) << ": " << hcomm_last_error();
+          verdict = st;
+          std::fill(b.begin(), b.end(), kCanary);
+          RCHECK_OK(hcomm_send(ctx, 0, &verdict, 4, verdict_tag, T));
+        } else {
+          RCHECK_OK(hcomm_recv(ctx, 0, &verdict, 4, verdict_tag, HCOMM_TAG_MASK_ALL, nullptr, T));
+          if (verdict == HCOMM_OK) {
+            RCHECK_OK(hcomm_wait(q, T));
+          } else {  // the receive was withdrawn: this send must be retractable
+            RCHECK_EQ_STATUS(hcomm_request_cancel(q), HCOMM_ERR_CANCELLED);
+          }
+        }
+        outcomes[verdict == HCOMM_OK] += 1;
+        hcomm_request_free(q);
+      } else {
+        std::vector<uint8_t> b(s, kCanary);  // a cancelled receive leaves it so
+        hcomm_request_t* q;
+        int32_t verdict;
+        if (sender_cancels) {
+          nap();
+          RCHECK_OK(hcomm_irecv(ctx, 1, b.data(), s, tag, HCOMM_TAG_MASK_ALL, &q));
+          RCHECK_OK(hcomm_recv(ctx, 1, &verdict, 4, verdict_tag, HCOMM_TAG_MASK_ALL, nullptr, T));
+          if (verdict == HCOMM_OK) {
+            RCHECK_OK(hcomm_wait(q, T));
+          } else {
+            int done = 1;
+            RCHECK_EQ_STATUS(hcomm_test(q, &done), HCOMM_IN_PROGRESS);
+            RCHECK(done == 0) << "iteration " << it << ": received a send its sender cancelled";
+            RCHECK_EQ_STATUS(hcomm_request_cancel(q), HCOMM_ERR_CANCELLED);
+          }
+        } else {
+          RCHECK_OK(hcomm_irecv(ctx, 1, b.data(), s, tag, HCOMM_TAG_MASK_ALL, &q));
+          nap();
+          hcomm_status_t st = hcomm_request_cancel(q);
+          RCHECK(st == HCOMM_OK || st == HCOMM_ERR_CANCELLED) << hcomm_strerror(st) << ": " << hcomm_last_error();
+          verdict = st;
+          if (st == HCOMM_ERR_CANCELLED) std::fill(b.begin(), b.end(), kCanary);
+          RCHECK_OK(hcomm_send(ctx, 1, &verdict, 4, verdict_tag, T));
+        }
+        hcomm_request_free(q);
+        if (verdict == HCOMM_OK) {
+          for (size_t i = 0; i < s; ++i) RCHECK(b[i] == pattern(it, s, i)) << "iteration " << it << " byte " << i;
+        } else {
+          progress_for(ctx, 5);
+          RCHECK(all_canary(b)) << "iteration " << it << " (seed " << seed << "): a cancelled receive was written";
+        }
+        outcomes[verdict == HCOMM_OK] += 1;
+      }
+    }
+    std::fprintf(stderr, "[rank %d] seed %u: cancelled %d, completed %d\n", me, seed, outcomes[0], outcomes[1]);
+    RCHECK_OK(hcomm_barrier(ctx, T));
+  });
+}
+
+// An RMA cannot be called back: cancel waits until it is done at the target.
+TEST_P(Api, CancelledOneSidedOperationsRunToTheirEnd) {
+  run([](hcomm_context_t* ctx, int me, int n) {
+    const size_t s = size_t{1} << 20;
+    hcomm_mem_t *w, *l;
+    RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
+    RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
+    auto keys = exchange_keys(ctx, w, 1);
+    const int right = (me + 1) % n, left = (me + n - 1) % n;
+    auto* lp = static_cast<uint8_t*>(hcomm_mem_ptr(l));
+    for (size_t i = 0; i < s; ++i) lp[i] = pattern(me, s, i);
+    hcomm_request_t* q;
+    RCHECK_OK(hcomm_iput(ctx, lp, s, keys[right], 0, &q));
+    RCHECK_OK(hcomm_request_cancel(q));
+    hcomm_request_free(q);
+    std::memset(lp, kCanary, s);  // the put is over: reusing its source changes nothing
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    auto* wp = static_cast<uint8_t*>(hcomm_mem_ptr(w));
+    for (size_t i = 0; i < s; ++i) RCHECK(wp[i] == pattern(left, s, i)) << "byte " << i;
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    for (auto* k : keys) RCHECK_OK(hcomm_rkey_release(k));
+    RCHECK_OK(hcomm_mem_release(l));
+    RCHECK_OK(hcomm_mem_release(w));
+  });
+}
+
 // ---- one-sided ----------------------------------------------------------------------------
 
 TEST_P(Api, PutGetEverySize) {

@@ -23,7 +23,7 @@ extern "C" {
 #endif
 
 #define HCOMM_API_VERSION_MAJOR 0
-#define HCOMM_API_VERSION_MINOR 2
+#define HCOMM_API_VERSION_MINOR 3
 #define HCOMM_API_VERSION ((HCOMM_API_VERSION_MAJOR << 16) | HCOMM_API_VERSION_MINOR)
 
 /* The library's version (major << 16 | minor). */
@@ -45,6 +45,7 @@ typedef enum hcomm_status {
   HCOMM_ERR_PEER_FAILURE = 12,    /* the peer exited or was killed */
   HCOMM_ERR_CLOSED = 13,          /* the context is finalized */
   HCOMM_ERR_TRUNCATED = 14,       /* the message was longer than the receive buffer */
+  HCOMM_ERR_CANCELLED = 15,       /* withdrawn (hcomm_request_cancel, or a blocking call's timeout) */
 } hcomm_status_t;
 
 /* Static description of a status ("peer failure"). */
@@ -159,6 +160,20 @@ hcomm_status_t hcomm_rkey_release(hcomm_rkey_t* rkey);
 hcomm_status_t hcomm_test(hcomm_request_t* req, int* done);
 /* Waits up to timeout_ms (< 0: no limit is not allowed; use a large value). */
 hcomm_status_t hcomm_wait(hcomm_request_t* req, int timeout_ms);
+/* The cancel rule. Cancels a pending request and returns once the request is
+ * done and nothing touches its buffers any more: either it was withdrawn
+ * (status HCOMM_ERR_CANCELLED; a receive is unposted, an unmatched send is
+ * retracted and the peer never sees it) or it had gone too far and ran to its
+ * end (its own status). A transfer in flight (a rendezvous the peer is
+ * reading, an RMA on an asynchronous lane) is waited for, at most the cancel
+ * bound: 1 s + peer_check_ms + the transports' own failure bound (verbs: ACK
+ * timeout x retries). Past it, the peer that holds it up is declared failed,
+ * which stops its transports touching this rank's memory, and the request
+ * fails with HCOMM_ERR_PEER_FAILURE. Returns the request's final status.
+ * Blocking calls follow the same rule when their timeout passes: they return
+ * HCOMM_ERR_TIMEOUT only once the operation is withdrawn, else the status it
+ * ended with. */
+hcomm_status_t hcomm_request_cancel(hcomm_request_t* req);
 /* Drops the handle; a pending operation goes on (its buffers must stay valid
  * until it completes). Safe after hcomm_finalize. */
 void hcomm_request_free(hcomm_request_t* req);

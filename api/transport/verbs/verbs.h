@@ -91,6 +91,13 @@ class VerbsTransport final : public Transport {
   Status read_raw(int peer, void* local, uint64_t addr, uint32_t rkey, size_t len,
                   const std::shared_ptr<Request>& g) override;
   void progress() override;
+  // The queue pair reports a lost peer after its ACK timeout (4.096 us x
+  // 2^timeout) times (retries + 1).
+  std::chrono::milliseconds stall_bound() const override {
+    if (_timeout == 0) return std::chrono::milliseconds(0);  // no ACK timeout: the keepalive decides
+    const double ms = 4.096e-3 * static_cast<double>(uint64_t{1} << _timeout) * (_retry + 1);
+    return std::chrono::milliseconds(static_cast<int64_t>(ms) + 1);
+  }
   void peer_failed(int peer, const std::string& why) override;
 
   const std::string& device_name() const { return _dev_name; }
