@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <hcomm/hcomm.h>
+#include <hcomm/hcomm.hpp>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -283,6 +284,31 @@ TEST(Transports, ShmCmaFromTheEnvironmentWorks) {
     for (int r = 0; r < 2; ++r) RCHECK(std::string(hcomm_peer_transport(ctx, r)) == "shm,cma");
     sendrecv_and_put(ctx, 1 << 20);
     RCHECK_OK(hcomm_finalize(ctx));
+  }, 60);
+  EXPECT_EQ(err, "");
+}
+
+// The C++ wrapper of the cancel rule: true when withdrawn, false when the
+// request ran to its end (the C cases are in the conformance suite).
+TEST(CppApi, RequestCancelSaysWithdrawnOrCompleted) {
+  std::string err = run_ranks(2, {{"HCOMM_ENGINE", "host"}}, [&](int rank) {
+    hcomm::Context ctx;
+    const int peer = 1 - rank;
+    std::vector<uint8_t> big(1 << 20, static_cast<uint8_t>(rank + 1));
+    uint64_t small = 40 + static_cast<uint64_t>(rank), got = 0;
+    hcomm::Request r = ctx.irecv(peer, &got, 8, 7);
+    RCHECK(r.cancel()) << "an unmatched receive is withdrawn";
+    hcomm::Request rendezvous = ctx.isend(peer, big.data(), big.size(), 8);
+    RCHECK(rendezvous.cancel()) << "an unmatched rendezvous send is retracted";
+    hcomm::Request eager = ctx.isend(peer, &small, 8, 9);
+    RCHECK(!eager.cancel()) << "an eager send is complete once the lane took it";
+    RCHECK(ctx.recv(peer, &got, 8, 9).length == 8);
+    RCHECK(got == 40 + static_cast<uint64_t>(peer));
+    ctx.barrier();
+    int found = 1;
+    RCHECK_OK(hcomm_probe(ctx.get(), peer, 8, HCOMM_TAG_MASK_ALL, &found, nullptr));
+    RCHECK(found == 0) << "the retracted send is not visible";
+    ctx.finalize();
   }, 60);
   EXPECT_EQ(err, "");
 }

@@ -79,6 +79,14 @@ class Request : public Handle<hcomm_request_t, detail::free_request> {
     return done != 0;
   }
   void wait(int timeout_ms = kDefaultTimeoutMs) { check(hcomm_wait(get(), timeout_ms), "wait"); }
+  // The cancel rule (hcomm.h): true when withdrawn, false when it ran to
+  // its end; throws when it failed.
+  bool cancel() {
+    hcomm_status_t s = hcomm_request_cancel(get());
+    if (s == HCOMM_ERR_CANCELLED) return true;
+    check(s, "cancel");
+    return false;
+  }
   hcomm_recv_info_t recv_info() const {
     hcomm_recv_info_t i{};
     check(hcomm_request_recv_info(get(), &i), "recv_info");
