@@ -4,7 +4,8 @@ set -euo pipefail
 pkgs=(build-essential meson ninja-build pkg-config
       libnuma-dev libgtest-dev libgmock-dev libbenchmark-dev
       libibverbs-dev libdpdk-dev openmpi-bin libopenmpi-dev
-      qemu-system-x86 busybox-static cpio xz-utils)  # qemu suite + rdma guest (tests/qemu/)
+      qemu-system-x86 busybox-static cpio xz-utils   # qemu suite + rdma guest (tests/qemu/)
+      python3-dev pybind11-dev python3-torch libtorch-dev python3-pytest)  # python/: the torch backend
 # bench-only (bench/compare.py): scripts/deps.sh --bench
 [ "${1:-}" = "--bench" ] && pkgs+=(ucx-utils python3-matplotlib)
 missing=()
