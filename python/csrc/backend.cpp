@@ -49,8 +49,13 @@ World::World(c10::intrusive_ptr<c10d::Store> store, int rank, int size, Ms timeo
   cfg.size = size;
   cfg.store = &_kv;
   cfg.bootstrap_timeout_ms = ms_of(std::min<Ms>(timeout, Ms(300000)));
-  check(hcomm_init(&cfg, &_ctx), "starting from the c10d store (rank " + std::to_string(rank) + " of " +
-                                     std::to_string(size) + ")");
+  hcomm_status_t st = hcomm_init(&cfg, &_ctx);
+  if (st != HCOMM_OK) {
+    std::string what = "starting from the c10d store (rank " + std::to_string(rank) + " of " + std::to_string(size) + ")";
+    std::lock_guard l(_mu);
+    if (!_store_error.empty()) what += " [the store said: " + _store_error + "]";
+    raise(st, what);
+  }
 }
 
 World::~World() {
@@ -69,7 +74,8 @@ int World::kv_set(void* arg, const char* key, const void* value, size_t len) {
     const auto* p = static_cast<const uint8_t*>(value);
     w->_store->set(key, std::vector<uint8_t>(p, p + len));
     return 0;
-  } catch (const std::exception&) {
+  } catch (const std::exception& e) {
+    w->note_store_error(e.what());
     return 2;
   }
 }
@@ -79,23 +85,25 @@ int World::kv_get(void* arg, const char* key, void* value, size_t cap, size_t* l
   const auto deadline = std::chrono::steady_clock::now() + Ms(std::max(timeout_ms, 0));
   const std::vector<std::string> keys{key};
   try {
-    // Short waits in a loop: a store's wait() with a zero timeout may mean "forever".
-    while (!w->_store->check(keys)) {
-      const auto left = std::chrono::duration_cast<Ms>(deadline - std::chrono::steady_clock::now());
-      if (left.count() <= 0) return 1;
-      try {
-        w->_store->wait(keys, std::clamp<Ms>(left, Ms(1), Ms(100)));
-      } catch (const std::exception&) {
-        // its own timeout: look again
-      }
+    // Polled with check(): a TCPStore client whose wait() timed out still has
+    // that wait's answer coming on its socket, and the next request reads it.
+    for (int nap_us = 50; !w->_store->check(keys); nap_us = std::min(nap_us * 2, 5000)) {
+      if (std::chrono::steady_clock::now() >= deadline) return 1;
+      std::this_thread::sleep_for(std::chrono::microseconds(nap_us));
     }
     std::vector<uint8_t> v = w->_store->get(key);
     std::memcpy(value, v.data(), std::min(cap, v.size()));
     *len = v.size();
     return 0;
-  } catch (const std::exception&) {
+  } catch (const std::exception& e) {
+    w->note_store_error(e.what());
     return 2;
   }
+}
+
+void World::note_store_error(const std::string& what) {
+  std::lock_guard l(_mu);
+  _store_error = what;
 }
 
 hcomm_mem_t* World::find_registration(const void* p, size_t len) {

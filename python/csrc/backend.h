@@ -52,6 +52,8 @@ class World {
  private:
   static int kv_set(void* arg, const char* key, const void* value, size_t len);
   static int kv_get(void* arg, const char* key, void* value, size_t cap, size_t* len, int timeout_ms);
+  void note_store_error(const std::string& what);
+  std::string _store_error;  // the store's last exception, for init's message
   c10::intrusive_ptr<c10d::Store> _store;  // barriers go through it until hcomm_finalize
   hcomm_kv_store_t _kv{};
   hcomm_context_t* _ctx = nullptr;

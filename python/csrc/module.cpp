@@ -99,28 +99,33 @@ class Window {
   }
 
   c10::intrusive_ptr<c10d::Work> put(const at::Tensor& src, int rank, int64_t offset) {
-    return rma("put", src, rank, offset, [&](const Peer& p, uint64_t off, hcomm_request_t** q) {
-      return hcomm_iput(_world->ctx(), src.data_ptr(), src.nbytes(), p.data, off, q);
+    return rma("put", src, rank, offset, [&](const Peer& p, uint64_t off, const at::Tensor& l, hcomm_request_t** q) {
+      return hcomm_iput(_world->ctx(), l.data_ptr(), l.nbytes(), p.data, off, q);
     });
   }
   c10::intrusive_ptr<c10d::Work> get(const at::Tensor& dst, int rank, int64_t offset) {
-    return rma("get", dst, rank, offset, [&](const Peer& p, uint64_t off, hcomm_request_t** q) {
-      return hcomm_iget(_world->ctx(), dst.data_ptr(), dst.nbytes(), p.data, off, q);
-    });
+    return rma(
+        "get", dst, rank, offset,
+        [&](const Peer& p, uint64_t off, const at::Tensor& l, hcomm_request_t** q) {
+          return hcomm_iget(_world->ctx(), l.data_ptr(), l.nbytes(), p.data, off, q);
+        },
+        true);
   }
   c10::intrusive_ptr<c10d::Work> accumulate(const at::Tensor& src, int rank, int64_t offset, int op) {
     if (op < HCOMM_SUM || op > HCOMM_MIN) throw std::invalid_argument("hcomm: accumulate op must be SUM, PROD, MAX or MIN");
     const hcomm_dtype_t dt = dtype_of(_t.scalar_type());
-    return rma("accumulate", src, rank, offset, [&](const Peer& p, uint64_t off, hcomm_request_t** q) {
-      return hcomm_iaccumulate(_world->ctx(), src.data_ptr(), static_cast<size_t>(src.numel()), dt,
+    return rma("accumulate", src, rank, offset, [&](const Peer& p, uint64_t off, const at::Tensor& l, hcomm_request_t** q) {
+      return hcomm_iaccumulate(_world->ctx(), l.data_ptr(), static_cast<size_t>(l.numel()), dt,
                                static_cast<hcomm_op_t>(op), p.data, off, q);
     });
   }
   c10::intrusive_ptr<c10d::Work> put_notify(const at::Tensor& src, int rank, int64_t offset, uint64_t value) {
     const uint64_t word = 8 * static_cast<uint64_t>(_pg->getRank());
-    return rma("put_notify", src, rank, offset, [&](const Peer& p, uint64_t off, hcomm_request_t** q) {
-      return hcomm_iput_notify(_world->ctx(), src.data_ptr(), src.nbytes(), p.data, off, p.notify, word, value, q);
-    });
+    return rma("put_notify", src, rank, offset,
+               [&](const Peer& p, uint64_t off, const at::Tensor& l, hcomm_request_t** q) {
+                 return hcomm_iput_notify(_world->ctx(), l.data_ptr(), l.nbytes(), p.data, off, p.notify, word, value,
+                                          q);
+               });
   }
   c10::intrusive_ptr<c10d::Work> fetch_add(int rank, int64_t offset, int64_t value) {
     if (_t.scalar_type() != at::kLong) throw std::invalid_argument("hcomm: fetch_add needs an int64 window");
@@ -193,8 +198,13 @@ class Window {
                               std::to_string(elems));
     return p.base + static_cast<uint64_t>(offset * es);
   }
+  // local: what the operation reads (put, accumulate) or writes (get:
+  // into_local). It is reached through a registration: one this module made,
+  // else a temporary one; where the engine cannot register it (the NPU engine
+  // over vfio-user), the bytes are staged through hcomm memory (one copy).
   template <typename Post>
-  c10::intrusive_ptr<c10d::Work> rma(const char* what, const at::Tensor& local, int rank, int64_t offset, Post post) {
+  c10::intrusive_ptr<c10d::Work> rma(const char* what, const at::Tensor& local, int rank, int64_t offset, Post post,
+                                     bool into_local = false) {
     check_tensor(local, what);
     if (local.scalar_type() != _t.scalar_type())
       throw std::invalid_argument(std::string("hcomm: ") + what + ": a " + c10::toString(local.scalar_type()) +
@@ -202,28 +212,37 @@ class Window {
     const Peer& p = peer(rank);
     const uint64_t off = byte_offset(p, offset, local.numel(), what);
     const std::string label = std::string(what) + " on rank " + std::to_string(rank);
+    if (local.nbytes() == 0)
+      return c10::make_intrusive<HcommWork>(_world, c10d::OpType::UNKNOWN, label, std::vector<hcomm_request_t*>{},
+                                            _pg->timeout());
     std::vector<hcomm_mem_t*> temp;
-    if (local.nbytes() > 0 && _world->find_registration(local.data_ptr(), local.nbytes()) == nullptr) {
-      // The local tensor is reached through a registration for this operation.
+    at::Tensor through = local;  // what hcomm reads or writes
+    if (_world->find_registration(local.data_ptr(), local.nbytes()) == nullptr) {
       hcomm_mem_t* m = nullptr;
       hcomm_status_t st = hcomm_mem_register(_world->ctx(), local.data_ptr(), local.nbytes(), HCOMM_ACCESS_ALL, &m);
-      if (st == HCOMM_ERR_UNSUPPORTED)
-        raise(st, label + ": this engine cannot register the local tensor; allocate it with hcomm.torch.empty()");
-      check(st, label + ": registering the local tensor");
+      if (st == HCOMM_ERR_UNSUPPORTED) {
+        check(hcomm_mem_alloc(_world->ctx(), local.nbytes(), HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &m),
+              label + ": staging memory");
+        through = at::from_blob(hcomm_mem_ptr(m), local.sizes(), local.options());
+        if (!into_local) through.copy_(local);
+      } else {
+        check(st, label + ": registering the local tensor");
+      }
       temp.push_back(m);
     }
     hcomm_request_t* q = nullptr;
-    hcomm_status_t st = local.nbytes() == 0 ? HCOMM_OK : post(p, off, &q);
+    hcomm_status_t st = post(p, off, through, &q);
     if (st != HCOMM_OK) {
       for (hcomm_mem_t* m : temp) (void)hcomm_mem_release(m);
       raise(st, label);
     }
-    std::vector<hcomm_request_t*> reqs;
-    if (q != nullptr) reqs.push_back(q);
-    auto w = c10::make_intrusive<HcommWork>(_world, c10d::OpType::UNKNOWN, label, std::move(reqs), _pg->timeout(),
-                                            std::vector<at::Tensor>{local});
+    auto w = c10::make_intrusive<HcommWork>(_world, c10d::OpType::UNKNOWN, label, std::vector<hcomm_request_t*>{q},
+                                            _pg->timeout(), std::vector<at::Tensor>{local});
     w->temp_regs = std::move(temp);
-    if (q == nullptr) w->temp_regs.clear();
+    if (into_local && !through.is_same(local)) {
+      at::Tensor dst = local;
+      w->on_done = [dst, through]() mutable { dst.copy_(through); };
+    }
     return w;
   }
 
