@@ -3,6 +3,8 @@
 // them (ring, tree; documented as not tuned), and the Work objects.
 #include "python/csrc/backend.h"
 
+#include <ATen/core/ivalue.h>
+
 #include <algorithm>
 #include <climits>
 #include <cstring>
@@ -197,6 +199,17 @@ bool HcommWork::isSuccess() const {
 std::exception_ptr HcommWork::exception() const {
   std::lock_guard l(_mu);
   return _error;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> HcommWork::getFuture() {
+  auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+  try {
+    wait(Ms(0));
+    fut->markCompleted(c10::IValue(_keep));
+  } catch (...) {
+    fut->setError(std::current_exception());
+  }
+  return fut;
 }
 
 int HcommWork::sourceRank() const {

@@ -80,6 +80,9 @@ class HcommWork : public c10d::Work {
   bool wait(Ms timeout) override;
   int sourceRank() const override;
   std::vector<at::Tensor> result() override { return _keep; }
+  // A completed future of the result tensors (what DistributedDataParallel's
+  // reducer chains on); a pending request is waited for first.
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
   // Run after every request completed (checks of the received size, copies
   // out of staging, releasing temporary registrations); may throw.
