@@ -111,5 +111,15 @@ def test_demo_under_torchrun_style_launch():
     assert "rank 1 received (1024, 1024)" in outs
 
 
+@pytest.mark.skipif(not os.path.exists("/usr/bin/torchrun"), reason="Debian's torchrun is not installed")
+def test_demo_under_torchrun():
+    # Debian's torchrun on Python 3.11 needs --redirects/--tee (docs/python.md)
+    p = subprocess.run(["/usr/bin/torchrun", "--redirects", "1", "--tee", "1", "--nproc_per_node=2",
+                        "--master_port=%d" % free_port(), os.path.join(ROOT, "examples", "python", "put_get.py")],
+                       env=env_for(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout
+    assert "rank 0 put and got back (1024, 1024)" in p.stdout and "rank 1 window holds" in p.stdout, p.stdout
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

@@ -122,6 +122,14 @@ def collectives(rank, n):
     out = torch.zeros(7)
     dist.reduce_scatter(out, [torch.full((7,), float(rank * 10 + j)) for j in range(n)])
     assert out.eq(sum(k * 10 + rank for k in range(n))).all(), "reduce_scatter: %s" % out.tolist()
+    # the flat forms (_allgather_base / _reduce_scatter_base underneath)
+    flat = torch.zeros(n * 6, dtype=torch.int64)
+    dist.all_gather_into_tensor(flat, torch.full((6,), rank + 1, dtype=torch.int64))
+    assert torch.equal(flat, torch.arange(1, n + 1).repeat_interleave(6)), "all_gather_into_tensor %s" % flat.tolist()
+    part = torch.zeros(3)
+    dist.reduce_scatter_tensor(part, torch.arange(3 * n, dtype=torch.float32) + rank)
+    want = sum(torch.arange(3 * n, dtype=torch.float32) + k for k in range(n))[3 * rank:3 * rank + 3]
+    assert torch.equal(part, want), "reduce_scatter_tensor %s" % part.tolist()
     if n >= 3:
         g = dist.new_group([1, 2])  # every rank takes part in creating it
         if rank in (1, 2):
