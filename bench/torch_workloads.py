@@ -52,7 +52,9 @@ def rank_main(a):
     rank, n = dist.get_rank(), dist.get_world_size()
     result = {}
     if a.workload in ("ps", "ddp"):
-        workers = n - 1 if a.workload == "ps" else n
+        # ps: rank 0 is the server; with --colocated it is also worker 0 (as many processes as DDP)
+        workers = n - 1 if a.workload == "ps" and not a.colocated else n
+        first_worker = 1 if a.workload == "ps" and not a.colocated else 0
         model = make_model(torch, 0, a.width)
         x, y = make_data(torch, a.steps, a.batch * workers, 0)
         shard = lambda step, w: (x[step, w * a.batch:(w + 1) * a.batch], y[step, w * a.batch:(w + 1) * a.batch])
@@ -82,35 +84,39 @@ def rank_main(a):
             local = ht.empty(flat.numel())
             dist.barrier()
             t0 = time.perf_counter()
+            def work(step):  # one worker's step: pull, compute, push, say so
+                if rank != 0 and step > 0:
+                    wc.notify_wait(0, step, timeout=120)              # the weights of this step are out
+                ww.get(local, 0)                                      # pull the weights
+                torch.nn.utils.vector_to_parameters(local, params)
+                xb, yb = shard(step, rank - first_worker)
+                model.zero_grad()
+                loss = F.cross_entropy(model(xb), yb)
+                loss.backward()
+                g = torch.nn.utils.parameters_to_vector([p.grad for p in params])
+                wg.accumulate(g, 0, op=ht.SUM)                       # push the gradient
+                wg.flush(0)                                           # complete at the server, then say so
+                if rank != 0:
+                    wc.put_notify(one, 0, offset=rank, value=step + 1)
+                losses.append(loss.item())
+
             for step in range(a.steps):
-                if rank == 0:
+                if rank >= first_worker:
+                    work(step)
+                if rank == 0:  # the server
                     for w in range(1, n):
-                        wc.notify_wait(w, step + 1, timeout=120)   # worker w's gradient is in
+                        wc.notify_wait(w, step + 1, timeout=120)      # worker w's gradient is in
                     weights.sub_(grads, alpha=a.lr / workers)
                     grads.zero_()
                     for w in range(1, n):
                         wc.put_notify(one, w, offset=0, value=step + 1)  # the weights of step+1 are out
-                else:
-                    if step > 0:
-                        wc.notify_wait(0, step, timeout=120)
-                    ww.get(local, 0)                                  # pull the weights
-                    torch.nn.utils.vector_to_parameters(local, params)
-                    xb, yb = shard(step, rank - 1)
-                    model.zero_grad()
-                    loss = F.cross_entropy(model(xb), yb)
-                    loss.backward()
-                    g = torch.nn.utils.parameters_to_vector([p.grad for p in params])
-                    wg.accumulate(g, 0, op=ht.SUM)                   # push the gradient
-                    wg.flush(0)                                       # complete at the server, then say so
-                    wc.put_notify(one, 0, offset=rank, value=step + 1)
-                    losses.append(loss.item())
             dist.barrier()
             took = time.perf_counter() - t0
             for w_ in (ww, wg, wc):
                 w_.free()
         result = {"samples_per_s": a.steps * a.batch * workers / took, "losses": losses}
         # the first worker's shard (shard 0) reports its curve
-        reporter = 1 if a.workload == "ps" else 0
+        reporter = first_worker
         if rank == reporter:
             print("RESULT " + json.dumps(result), flush=True)
     else:  # pipeline: stage 0 -> stage 1
@@ -185,6 +191,7 @@ def main():
     ap.add_argument("--workload", default="ps")
     ap.add_argument("--mode", default="p2p")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--colocated", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=32, help="samples per worker and step")
     ap.add_argument("--width", type=int, default=1024, help="MLP hidden width (1024: 1.3 M parameters, 5 MiB)")
@@ -209,6 +216,8 @@ def main():
     configs = [
         ("ps", "hcomm parameter server (Window get/accumulate)", a.workers + 1,
          ["--backend", "hcomm", "--workload", "ps"] + common),
+        ("ps", "hcomm parameter server on worker 0's process", a.workers,
+         ["--backend", "hcomm", "--workload", "ps", "--colocated"] + common),
         ("ps", "gloo DistributedDataParallel", a.workers, ["--backend", "gloo", "--workload", "ddp"] + common),
         ("ps", "hcomm DistributedDataParallel", a.workers, ["--backend", "hcomm", "--workload", "ddp"] + common),
         ("pipe", "transformer: hcomm send/recv", 2, ["--backend", "hcomm", "--mode", "p2p"] + pipe),

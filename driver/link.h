@@ -89,6 +89,12 @@ class Link {
   // Function-level reset through the transport (VFIO_DEVICE_RESET /
   // VFIO_USER_DEVICE_RESET). The HAL prefers the CONTROL.RESET register.
   virtual Status reset() = 0;
+
+  // Whether the device is still there, without blocking: device_error once
+  // it is gone for good (the vfio-user server hung up). Polled by progress
+  // every peer_check_ms, so that work on a vanished device fails instead of
+  // waiting for completions that will never come.
+  virtual Status health() { return Status::ok(); }
 };
 
 }  // namespace hcomm::driver

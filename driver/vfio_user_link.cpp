@@ -1,6 +1,7 @@
 #include "driver/vfio_user_link.h"
 
 #include <sys/mman.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -97,6 +98,7 @@ class VfioUserLink final : public Link {
                  uint64_t* bus_addr) override;
   Status dma_unmap(uint64_t bus_addr, uint64_t len) override;
   Status reset() override;
+  Status health() override;
 
  private:
   struct Region {
@@ -528,6 +530,30 @@ Status VfioUserLink::dma_unmap(uint64_t bus_addr, uint64_t len) {
     }
   }
   _dma.erase(it);
+  return Status::ok();
+}
+
+// The server (hcomm-sim) sends nothing unasked: a readable socket between
+// requests is the server hanging up (EOF), or a stream in an unknown state.
+Status VfioUserLink::health() {
+  std::unique_lock lk(_mu, std::try_to_lock);
+  if (!lk.owns_lock()) return Status::ok();  // a request is in flight: it will see a hang-up itself
+  if (!_broken.is_ok()) return Status::error(Code::device_error, "%s", _broken.message().c_str());
+  pollfd pf{_sock.get(), POLLIN | POLLRDHUP, 0};
+  if (::poll(&pf, 1, 0) <= 0) return Status::ok();
+  if (pf.revents & (POLLHUP | POLLRDHUP | POLLERR))
+    return broken(Status::error(Code::device_error,
+                                "vfio-user %s: the device's server hung up (hcomm-sim exited or was killed)",
+                                _path.c_str()));
+  char c;
+  ssize_t n = ::recv(_sock.get(), &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  if (n == 0)
+    return broken(Status::error(Code::device_error,
+                                "vfio-user %s: the device's server hung up (hcomm-sim exited or was killed)",
+                                _path.c_str()));
+  if (n > 0)
+    return broken(Status::error(Code::device_error, "vfio-user %s: the server sent a message nobody asked for",
+                                _path.c_str()));
   return Status::ok();
 }
 

@@ -23,8 +23,10 @@
 // 2 s later, SIGKILL; ranks stopped that way do not count. --timeout: after
 // SEC everything is stopped the same way and the status is 124. SIGINT /
 // SIGTERM / SIGHUP to hcomm-run stop every rank and give 128+signo. 2: usage
-// or start-up error. Each rank runs in its own process group, which is killed
-// when the run ends, so no stray grandchild outlives it.
+// or start-up error. When the simulator hcomm-run started dies while ranks
+// run, they get 2 s to fail on their own (HCOMM_ERR_DEVICE), then are
+// stopped; the status is then at least 1. Each rank runs in its own process
+// group, which is killed when the run ends, so no stray grandchild outlives it.
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -336,6 +338,7 @@ int main(int argc, char** argv) {
   std::optional<Clock::time_point> grace_at, kill_at, drain_until, sim_ready_by;
   int interrupted = 0;
   bool timed_out = false, stopping = false, grace_started = false, started = false, startup_failed = false;
+  bool sim_died = false;
   if (sim) sim_ready_by = now() + std::chrono::seconds(15);
 
   auto live = [&] {
@@ -458,7 +461,18 @@ int main(int argc, char** argv) {
       if (sim && p == sim->pid) {
         sim->pid = -1;
         sim->status = shell_status(st);
-        if (started && !stopping) std::fprintf(stderr, "hcomm-run: hcomm-sim exited early (status %d)\n", sim->status);
+        if (started && !stopping && live() > 0) {
+          // The ranks' devices are gone: they fail their operations with
+          // HCOMM_ERR_DEVICE on their own; whatever has not exited within 2 s is stopped.
+          sim_died = true;
+          std::fprintf(stderr,
+                       "hcomm-run: hcomm-sim exited early (status %d): the ranks' NPUs are gone; stopping the ranks "
+                       "in 2 s\n",
+                       sim->status);
+          const auto at = now() + std::chrono::seconds(2);
+          if (!grace_at || *grace_at > at) grace_at = at;
+          grace_started = true;
+        }
         continue;
       }
       for (size_t r = 0; r < ranks.size(); ++r) {
@@ -506,6 +520,11 @@ int main(int argc, char** argv) {
   if (interrupted != 0) return 128 + interrupted;
   if (timed_out) return 124;
   if (startup_failed) return 2;
+  if (sim_died) {
+    int worst = 1;
+    for (auto& c : ranks) worst = std::max(worst, c.status);
+    return worst;
+  }
   int worst = 0, worst_any = 0;
   for (auto& c : ranks) {
     worst_any = std::max(worst_any, c.status);

@@ -277,6 +277,7 @@ Status Context::open_transports(const hcomm_config_t& cfg, const LaunchInfo& li,
       }
       std::unique_ptr<NpuTransport> npu;
       HCOMM_TRY(NpuTransport::open(name, _rank, *_shm, &npu));
+      npu->set_check_interval(_peer_check);
       _npu = npu.get();
       _shm->messaging_only();  // every one-sided operation goes through the device
       _transports.push_back(std::move(shm));

@@ -218,7 +218,7 @@ class Context final : public AmSink {
   bool match(std::list<std::shared_ptr<Request>>::iterator it, int source, const MsgHdr& h, const uint8_t* payload);
   void deliver_eager(Request& r, int source, const MsgHdr& h, const uint8_t* payload);
   void start_claim(const std::shared_ptr<Request>& r, int source, const MsgHdr& h);
-  void claim_resolved(const std::shared_ptr<Request>& r, int source, const MsgHdr& h, bool won);
+  void claim_resolved(const std::shared_ptr<Request>& r, int source, const MsgHdr& h, const Request& op, uint64_t old);
   void finish_claims();
   void rematch();
   Status claim_cas(hcomm_rkey* k, uint32_t idx, uint64_t compare, uint64_t swap, uint64_t* old,

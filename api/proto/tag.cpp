@@ -104,7 +104,11 @@ void Context::on_am(int peer, const MsgHdr& h, const uint8_t* payload) {
   Peer& p = _peers[static_cast<size_t>(peer)];
   if (h.type == static_cast<uint32_t>(MsgType::fin)) {
     auto it = _pending_sends.find(h.sreq);
-    if (it == _pending_sends.end() || it->second->peer != peer) return peer_failed(p, "FIN for an unknown send");
+    if (it == _pending_sends.end() || it->second->peer != peer) {
+      // An error FIN may answer a send we have retracted meanwhile.
+      if (h.status != HCOMM_OK && it == _pending_sends.end()) return;
+      return peer_failed(p, "FIN for an unknown send");
+    }
     hcomm_status_t st = static_cast<hcomm_status_t>(h.status);
     send_done(*it->second, st == HCOMM_OK ? HCOMM_OK : HCOMM_ERR_PEER_FAILURE,
               st == HCOMM_OK ? "" : "receiver could not pull the payload: " + std::string(hcomm_strerror(st)));
@@ -208,13 +212,27 @@ void Context::start_claim(const std::shared_ptr<Request>& rp, int source, const 
   // Resolved at once (synchronous lane, or the lane refused).
   Claim done = std::move(c);
   _claims.pop_back();
-  claim_resolved(done.recv, source, h, done.op->status == HCOMM_OK && done.old == claim_token(h.sreq, kExposed));
+  claim_resolved(done.recv, source, h, *done.op, done.old);
 }
 
-void Context::claim_resolved(const std::shared_ptr<Request>& rp, int source, const MsgHdr& h, bool won) {
+void Context::claim_resolved(const std::shared_ptr<Request>& rp, int source, const MsgHdr& h, const Request& op,
+                             uint64_t old) {
   rp->claiming = false;
   if (rp->done()) return;  // failed meanwhile (its peer failed)
-  if (!won) return;        // retracted (or its sender is gone): as if never sent; the receive stays posted
+  if (op.status != HCOMM_OK && op.status != HCOMM_ERR_PEER_FAILURE) {
+    // The word could not be reached (a lost device): neither side can move
+    // the message; both fail, the sender through an error FIN.
+    _posted.remove(rp);
+    rp->complete(op.status, "claiming rank " + std::to_string(source) + "'s message: " + op.error);
+    MsgHdr f{};
+    f.type = static_cast<uint32_t>(MsgType::fin);
+    f.sreq = h.sreq;
+    f.status = static_cast<uint32_t>(op.status);
+    post_ctl(source, f);
+    return;
+  }
+  const bool won = op.status == HCOMM_OK && old == claim_token(h.sreq, kExposed);
+  if (!won) return;  // retracted (or its sender is gone): as if never sent; the receive stays posted
   _posted.remove(rp);
   rp->info = {source, h.tag, static_cast<size_t>(h.total)};
   pull(rp, source, h);
@@ -229,7 +247,7 @@ void Context::finish_claims() {
     }
     Claim c = std::move(*it);
     it = _claims.erase(it);
-    claim_resolved(c.recv, c.source, c.h, c.op->status == HCOMM_OK && c.old == claim_token(c.h.sreq, kExposed));
+    claim_resolved(c.recv, c.source, c.h, *c.op, c.old);
     resolved = true;
   }
   if (resolved && _claims.empty()) rematch();
@@ -307,7 +325,11 @@ void Context::pull(const std::shared_ptr<Request>& rp, int source, const MsgHdr&
       cs = t->read_raw(source, r.rbuf, h.addr, h.rkey, n, g);
       if (cs.code() != Code::unsupported) break;
     }
-    if (!cs) g->complete(cs.code() == Code::peer_failure ? HCOMM_ERR_PEER_FAILURE : HCOMM_ERR_PROTOCOL, cs.message());
+    if (!cs)
+      g->complete(cs.code() == Code::peer_failure   ? HCOMM_ERR_PEER_FAILURE
+                  : cs.code() == Code::device_error ? HCOMM_ERR_DEVICE
+                                                    : HCOMM_ERR_PROTOCOL,
+                  cs.message());
   }
   _pulls.push_back({rp, g, source, h.sreq, h.total});
   finish_pulls();
@@ -323,7 +345,7 @@ void Context::finish_pulls() {
     hcomm_status_t st = it->read->status;
     std::string why;
     if (st != HCOMM_OK) {
-      if (st != HCOMM_ERR_PEER_FAILURE) st = HCOMM_ERR_PROTOCOL;
+      if (st != HCOMM_ERR_PEER_FAILURE && st != HCOMM_ERR_DEVICE) st = HCOMM_ERR_PROTOCOL;
       why = "rendezvous pull from rank " + std::to_string(it->source) + ": " + it->read->error;
     }
     MsgHdr f{};

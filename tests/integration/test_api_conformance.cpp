@@ -520,6 +520,47 @@ TEST_P(Api, CancelIsCancelledOrCompletedNeverHalf) {
   });
 }
 
+// A blocking put whose DMA outlives the call's timeout cannot be withdrawn:
+// the call waits (within the cancel bound) until the engine is done with the
+// buffers, and then reports how it ended. The device is stalled past the
+// timeout; the caller reuses its buffer at once after the call; the target
+// must hold the bytes of before.
+TEST_P(Api, TimedOutPutWaitsForItsDmaBeforeReturning) {
+  if (!npu()) GTEST_SKIP() << "stalling the DMA engine is a simulator feature";
+  if (g_sim == nullptr) GTEST_SKIP() << "needs hcomm-sim's control socket (not reachable with HCOMM_TEST_DEVICES)";
+  test::SimProcess* sim = g_sim;
+  run([sim](hcomm_context_t* ctx, int me, int n) {
+    const int right = (me + 1) % n, left = (me + n - 1) % n;
+    const size_t s = size_t{1} << 20;
+    hcomm_mem_t *w, *l;
+    RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
+    RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
+    auto keys = exchange_keys(ctx, w, 12);
+    auto* lp = static_cast<uint8_t*>(hcomm_mem_ptr(l));
+    auto* wp = static_cast<uint8_t*>(hcomm_mem_ptr(w));
+    for (size_t i = 0; i < s; ++i) lp[i] = pattern(me, s, i);
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    if (me == 0) {
+      RCHECK(sim->control("stall 0 400") == "ok");  // rank 0 drives device 0
+      auto t0 = std::chrono::steady_clock::now();
+      hcomm_status_t st = hcomm_put(ctx, lp, s, keys[right], 0, 50);
+      const auto ms =
+          std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+      RCHECK(st == HCOMM_OK) << "ran to its end after the timeout: " << hcomm_strerror(st) << " " << hcomm_last_error();
+      RCHECK(ms >= 300) << "returned after " << ms << " ms, before the stalled DMA could have finished";
+    } else {
+      RCHECK_OK(hcomm_put(ctx, lp, s, keys[right], 0, T));
+    }
+    std::memset(lp, kCanary, s);  // reused at once: the engine must be done with it
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    for (size_t i = 0; i < s; ++i) RCHECK(wp[i] == pattern(left, s, i)) << "byte " << i;
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    release_keys(keys);
+    RCHECK_OK(hcomm_mem_release(w));
+    RCHECK_OK(hcomm_mem_release(l));
+  });
+}
+
 // An RMA cannot be called back: cancel waits until it is done at the target.
 TEST_P(Api, CancelledOneSidedOperationsRunToTheirEnd) {
   run([](hcomm_context_t* ctx, int me, int n) {

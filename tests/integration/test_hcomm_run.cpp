@@ -2,6 +2,8 @@
 // --timeout, signal cleanup, --sim) and bootstrap under real launchers
 // (hcomm-run and, where installed, Open MPI's mpirun).
 #include <gtest/gtest.h>
+
+#include <chrono>
 #include <signal.h>
 #include <unistd.h>
 
@@ -137,6 +139,20 @@ TEST(HcommRun, StartsTheSimulatorWhenAsked) {
   ASSERT_EQ(d.out.rfind("[0] /", 0), 0u) << d.out;
   std::string dir = d.out.substr(4, d.out.size() - 5);
   EXPECT_NE(::access(dir.c_str(), F_OK), 0) << dir << " survived";
+}
+
+// The simulator it started dies mid-run (the new user killed it):
+// hcomm-run says so and stops the ranks within its 2 s, not at --timeout.
+TEST(HcommRun, StopsTheRanksWhenItsSimulatorDies) {
+  auto t0 = std::chrono::steady_clock::now();
+  Result r = run({run_bin(), "--sim", "--sim-devices", "2", "-n", "2", "--timeout", "60", "sh", "-c",
+                  "if [ $RANK = 0 ]; then sleep 0.5; kill -9 $(cat $HCOMM_SIM_DIR/ready); fi; sleep 30"});
+  const auto s = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.status, 0) << r.err;
+  EXPECT_NE(r.status, 124) << "stopped by --timeout, not by the simulator's death: " << r.err;
+  EXPECT_NE(r.err.find("hcomm-sim exited early"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("NPUs are gone"), std::string::npos) << r.err;
+  EXPECT_LT(s, 15) << r.err;
 }
 
 // HCOMM_ENGINE=npu and no simulator where the driver would look: hcomm-run starts one.

@@ -701,4 +701,53 @@ TEST(Verbs, MemlockTooLowIsNamedAtInit) {
 }
 
 }  // namespace
+
+// ---- device loss: the simulator (the device's vfio-user server) is killed mid-job ----
+
+TEST(DeviceLoss, KilledSimulatorFailsPendingAndLaterOperationsWithDeviceError) {
+  test::SimProcess sim;
+  ASSERT_EQ(sim.start({"--devices", "2", "--hbm", "16M"}), "");
+  const pid_t sim_pid = sim.pid();
+  std::string err = run_ranks(2, {{"HCOMM_ENGINE", "npu"}, {"HCOMM_SIM_DIR", sim.dir()}}, [&](int rank) {
+    hcomm_config_t cfg = config();
+    hcomm_context_t* ctx = nullptr;
+    RCHECK_OK(hcomm_init(&cfg, &ctx));
+    const int peer = 1 - rank;
+    const size_t s = 1 << 20;
+    hcomm_mem_t *w, *l;
+    RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
+    RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
+    uint8_t mine[HCOMM_RKEY_MAX], theirs[HCOMM_RKEY_MAX];
+    size_t len = sizeof mine;
+    RCHECK_OK(hcomm_mem_rkey_pack(w, mine, &len));
+    hcomm_recv_info_t info;
+    RCHECK_OK(hcomm_sendrecv(ctx, peer, mine, len, 1, peer, theirs, sizeof theirs, 1, HCOMM_TAG_MASK_ALL, &info, T));
+    hcomm_rkey_t* k = nullptr;
+    RCHECK_OK(hcomm_rkey_import(ctx, peer, theirs, info.length, &k));
+    auto* lp = static_cast<uint8_t*>(hcomm_mem_ptr(l));
+    RCHECK_OK(hcomm_put(ctx, lp, s, k, 0, T)) << "the device works before";
+    // A put that stays pending: our device takes no descriptor for 5 s.
+    RCHECK(sim.control("stall " + std::to_string(rank) + " 5000") == "ok");
+    hcomm_request_t* q = nullptr;
+    RCHECK_OK(hcomm_iput(ctx, lp, s, k, 0, &q));
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    if (rank == 0) ::kill(sim_pid, SIGKILL);
+    const auto t0 = std::chrono::steady_clock::now();
+    RCHECK_EQ_STATUS(hcomm_wait(q, T), HCOMM_ERR_DEVICE);
+    const auto ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+    RCHECK(std::strstr(hcomm_last_error(), "NPU device") != nullptr &&
+           std::strstr(hcomm_last_error(), "hung up") != nullptr)
+        << hcomm_last_error();
+    // peer_check_ms is 1 here; the bound is 1 s (the reap of a killed process included)
+    RCHECK(ms < 1000) << "the pending put failed only after " << ms << " ms";
+    hcomm_request_free(q);
+    RCHECK_EQ_STATUS(hcomm_put(ctx, lp, s, k, 0, T), HCOMM_ERR_DEVICE) << "later operations fail at once";
+    RCHECK_EQ_STATUS(hcomm_flush(ctx, -1, T), HCOMM_ERR_DEVICE);
+    (void)hcomm_rkey_release(k);
+    (void)hcomm_finalize(ctx);  // reports the lost device; must not hang
+  }, 60);
+  EXPECT_EQ(err, "");
+}
+
 }  // namespace hcomm

@@ -86,6 +86,7 @@ class SimProcess {
   }
 
   bool alive() const { return _pid > 0 && ::kill(_pid, 0) == 0; }
+  pid_t pid() const { return _pid; }
   const std::string& dir() const { return _dir; }
   std::string socket(unsigned i) const { return _dir + "/npu" + std::to_string(i) + ".sock"; }
 

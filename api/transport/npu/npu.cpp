@@ -167,6 +167,7 @@ Status NpuTransport::unimport(hcomm_rkey& k) {
 // completed all of its descriptors (at the target: completions follow the data) ----
 
 Status NpuTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& r) {
+  if (!_lost.is_ok()) return _lost;
   hcomm_rkey& k = *a.rkey;
   if (!k.npu.valid()) return Status::error(Code::access_denied, "the key grants no device access");
   const uint64_t remote = k.npu.iova + a.roff;
@@ -220,7 +221,24 @@ Status NpuTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& r) {
   return Status::ok();
 }
 
+void NpuTransport::lose(const Status& why) {
+  _lost = Status::error(Code::device_error, "NPU device %s is gone: %s", _dev->link().location().c_str(),
+                        why.message().c_str());
+  for (auto& [id, r] : _pending) r->complete(HCOMM_ERR_DEVICE, _lost.message());
+  _pending.clear();
+}
+
 void NpuTransport::progress() {
+  if (!_lost.is_ok()) return;
+  // Whether the device is still there: a clock read every 64th call, the
+  // link's check every peer_check_ms.
+  if ((++_calls & 63) == 0 || !_pending.empty()) {
+    const auto now = Clock::now();
+    if (now - _last_check >= _check) {
+      _last_check = now;
+      if (Status h = _dev->link().health(); !h) return lose(h);
+    }
+  }
   hal::npu::Completion c[32];
   uint32_t n;
   while ((n = _q->poll(c)) > 0) {
@@ -250,6 +268,7 @@ void NpuTransport::progress() {
 Status NpuTransport::flush(int peer, const Deadline& dl) {
   for (;;) {
     progress();
+    if (!_lost.is_ok()) return _lost;
     bool busy = false;
     for (auto& [id, r] : _pending) busy |= peer < 0 || r->peer == peer;
     if (!busy) return Status::ok();

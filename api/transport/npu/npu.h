@@ -41,11 +41,17 @@ class NpuTransport final : public Transport {
   void progress() override;
 
   uint32_t fabric_index() const { return _dev->info().fabric_index; }
+  // How often progress asks the link whether the device is still there
+  // (the context's peer_check_ms).
+  void set_check_interval(std::chrono::milliseconds ms) { _check = ms; }
   // Device memory (HCOMM_MEM_DEVICE): a first-fit HBM range, zeroed.
   Status alloc_hbm(hcomm_mem& m);
 
  private:
   NpuTransport(int rank, ShmTransport& node) : _rank(rank), _node(node) {}
+  // The device is gone (its link hung up): fail what is pending, and every
+  // later operation, with device_error naming it.
+  void lose(const Status& why);
 
   int _rank;
   ShmTransport& _node;
@@ -57,6 +63,10 @@ class NpuTransport final : public Transport {
   hal::npu::Mapping _scratch_map;
   std::vector<uint32_t> _scratch_free;
   std::map<uint64_t, uint64_t> _hbm_free;  // offset -> size
+  Status _lost;  // !ok: the device is gone
+  std::chrono::milliseconds _check{1};
+  Clock::time_point _last_check{};
+  uint32_t _calls = 0;
 };
 
 }  // namespace hcomm::api
