@@ -277,7 +277,6 @@ Status Context::open_transports(const hcomm_config_t& cfg, const LaunchInfo& li,
       }
       std::unique_ptr<NpuTransport> npu;
       HCOMM_TRY(NpuTransport::open(name, _rank, *_shm, &npu));
-      npu->set_check_interval(_peer_check);
       _npu = npu.get();
       _shm->messaging_only();  // every one-sided operation goes through the device
       _transports.push_back(std::move(shm));
@@ -521,6 +520,7 @@ void Context::check_peers(bool force) {
   auto now = Clock::now();
   if (!force && now - _last_check < _peer_check) return;
   _last_check = now;
+  for (auto& t : _transports) t->check_health();
   std::vector<pollfd> pfds;
   std::vector<Peer*> who;
   for (Peer& p : _peers) {

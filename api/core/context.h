@@ -218,6 +218,7 @@ class Context final : public AmSink {
   bool match(std::list<std::shared_ptr<Request>>::iterator it, int source, const MsgHdr& h, const uint8_t* payload);
   void deliver_eager(Request& r, int source, const MsgHdr& h, const uint8_t* payload);
   void start_claim(const std::shared_ptr<Request>& r, int source, const MsgHdr& h);
+  bool took_rendezvous(const std::shared_ptr<Request>& r) const;
   void claim_resolved(const std::shared_ptr<Request>& r, int source, const MsgHdr& h, const Request& op, uint64_t old);
   void finish_claims();
   void rematch();

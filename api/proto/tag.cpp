@@ -162,7 +162,12 @@ bool Context::match(std::list<std::shared_ptr<Request>>::iterator it, int source
     return true;
   }
   start_claim(r, source, h);
-  // Won (pulling: no longer posted) or undecided (claiming): taken.
+  return took_rendezvous(r);
+}
+
+// After start_claim: the receive took the message (won, so no longer posted;
+// or still claiming), or the sender had retracted it (posted again).
+bool Context::took_rendezvous(const std::shared_ptr<Request>& r) const {
   return r->claiming || r->done() || std::find(_posted.begin(), _posted.end(), r) == _posted.end();
 }
 
@@ -433,8 +438,7 @@ Status Context::irecv(int source, void* buf, size_t len, uint64_t tag, uint64_t 
     if (!posted) _posted.push_back(r);
     posted = true;
     start_claim(r, u.source, u.hdr);
-    if (r->claiming || r->done() || std::find(_posted.begin(), _posted.end(), r) == _posted.end())
-      return Status::ok();
+    if (took_rendezvous(r)) return Status::ok();
     // The sender had retracted it: look further.
   }
   if (posted) return Status::ok();

@@ -156,6 +156,9 @@ class Transport {
   // before the transport itself reports it failed (verbs: the queue pair's
   // ACK timeout times its retries); part of the cancel bound.
   virtual std::chrono::milliseconds stall_bound() const { return std::chrono::milliseconds(0); }
+  // Called every peer_check_ms by the context's liveness check: a transport
+  // whose device vanished fails what is pending on it, and later operations.
+  virtual void check_health() {}
   // The peer failed: fail what is queued for it.
   virtual void peer_failed(int /*peer*/, const std::string& /*why*/) {}
 };

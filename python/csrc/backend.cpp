@@ -61,13 +61,7 @@ World::World(c10::intrusive_ptr<c10d::Store> store, int rank, int size, Ms timeo
 }
 
 World::~World() {
-  std::vector<Reg> regs;
-  {
-    std::lock_guard l(_mu);
-    regs.swap(_regs);
-  }
-  (void)regs;  // hcomm_finalize frees what is still registered
-  if (_ctx != nullptr) (void)hcomm_finalize(_ctx);
+  if (_ctx != nullptr) (void)hcomm_finalize(_ctx);  // frees what is still registered
 }
 
 int World::kv_set(void* arg, const char* key, const void* value, size_t len) {
@@ -360,6 +354,14 @@ void reduce_into(at::Tensor& dst, const at::Tensor& src, const c10d::ReduceOp& o
               " is not supported (SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR are)");
 }
 
+// n pieces of a 1-D tensor whose length n divides.
+std::vector<at::Tensor> equal_pieces(const at::Tensor& flat, int n) {
+  std::vector<at::Tensor> out;
+  const int64_t len = flat.numel() / n;
+  for (int i = 0; i < n; ++i) out.push_back(flat.narrow(0, i * len, len));
+  return out;
+}
+
 // n nearly equal pieces of a 1-D tensor.
 std::vector<at::Tensor> pieces(const at::Tensor& flat, int n) {
   std::vector<at::Tensor> out;
@@ -484,9 +486,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHcomm::_allgather_base(at::Tensor& ou
   check_tensor(output, "all_gather_into_tensor");
   TORCH_CHECK(output.numel() == input.numel() * size_ && output.scalar_type() == input.scalar_type(),
               "hcomm: all_gather_into_tensor: the output must hold ", size_, " inputs of the same dtype");
-  at::Tensor flat = output.view({-1});
-  std::vector<at::Tensor> chunks;
-  for (int i = 0; i < size_; ++i) chunks.push_back(flat.narrow(0, i * input.numel(), input.numel()));
+  std::vector<at::Tensor> chunks = equal_pieces(output.view({-1}), size_);
   chunks[static_cast<size_t>(rank_)].copy_(input.view({-1}));
   allgather_ring(chunks, timeout_of(opts.timeout));
   return done(c10d::OpType::_ALLGATHER_BASE, {output});
@@ -523,9 +523,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHcomm::_reduce_scatter_base(at::Tenso
   check_tensor(output, "reduce_scatter_tensor");
   TORCH_CHECK(input.numel() == output.numel() * size_ && output.scalar_type() == input.scalar_type(),
               "hcomm: reduce_scatter_tensor: the input must hold ", size_, " outputs of the same dtype");
-  at::Tensor work = input.reshape({-1}).clone();
-  std::vector<at::Tensor> chunks;
-  for (int i = 0; i < size_; ++i) chunks.push_back(work.narrow(0, i * output.numel(), output.numel()));
+  std::vector<at::Tensor> chunks = equal_pieces(input.reshape({-1}).clone(), size_);
   reduce_scatter_ring(chunks, opts.reduceOp, timeout_of(opts.timeout));
   output.view({-1}).copy_(chunks[static_cast<size_t>(rank_)]);
   return done(c10d::OpType::_REDUCE_SCATTER_BASE, {output});

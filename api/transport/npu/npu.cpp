@@ -230,15 +230,6 @@ void NpuTransport::lose(const Status& why) {
 
 void NpuTransport::progress() {
   if (!_lost.is_ok()) return;
-  // Whether the device is still there: a clock read every 64th call, the
-  // link's check every peer_check_ms.
-  if ((++_calls & 63) == 0 || !_pending.empty()) {
-    const auto now = Clock::now();
-    if (now - _last_check >= _check) {
-      _last_check = now;
-      if (Status h = _dev->link().health(); !h) return lose(h);
-    }
-  }
   hal::npu::Completion c[32];
   uint32_t n;
   while ((n = _q->poll(c)) > 0) {

@@ -39,11 +39,13 @@ class NpuTransport final : public Transport {
   Status rma(const RmaOp& op, const std::shared_ptr<Request>& r) override;
   Status flush(int peer, const Deadline& dl) override;
   void progress() override;
+  // The link hung up (hcomm-sim exited or was killed): the device is gone.
+  void check_health() override {
+    if (_lost.is_ok())
+      if (Status h = _dev->link().health(); !h) lose(h);
+  }
 
   uint32_t fabric_index() const { return _dev->info().fabric_index; }
-  // How often progress asks the link whether the device is still there
-  // (the context's peer_check_ms).
-  void set_check_interval(std::chrono::milliseconds ms) { _check = ms; }
   // Device memory (HCOMM_MEM_DEVICE): a first-fit HBM range, zeroed.
   Status alloc_hbm(hcomm_mem& m);
 
@@ -64,9 +66,6 @@ class NpuTransport final : public Transport {
   std::vector<uint32_t> _scratch_free;
   std::map<uint64_t, uint64_t> _hbm_free;  // offset -> size
   Status _lost;  // !ok: the device is gone
-  std::chrono::milliseconds _check{1};
-  Clock::time_point _last_check{};
-  uint32_t _calls = 0;
 };
 
 }  // namespace hcomm::api
