@@ -67,6 +67,72 @@ hcomm_status_t run_blocking(Context& ctx, const Status& posted, const std::share
 
 }  // namespace
 
+// Argument bundles of the one-sided calls (C++ types: outside extern "C").
+namespace {
+Context::RmaArgs put_args(const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off) {
+  Context::RmaArgs a;
+  a.op = hcomm::api::Rma::put;
+  a.local = static_cast<uint8_t*>(const_cast<void*>(local));
+  a.len = len;
+  a.rkey = rkey;
+  a.roff = off;
+  return a;
+}
+Context::RmaArgs get_args(void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off) {
+  Context::RmaArgs a = put_args(local, len, rkey, off);
+  a.op = hcomm::api::Rma::get;
+  return a;
+}
+Context::RmaArgs acc_args(const void* local, size_t count, hcomm_dtype_t dt, hcomm_op_t op, hcomm_rkey_t* rkey,
+                          uint64_t off, bool* ok) {
+  size_t es = hcomm_dtype_size(dt);
+  *ok = es != 0 && count <= SIZE_MAX / es;
+  Context::RmaArgs a = put_args(local, count * (es ? es : 1), rkey, off);
+  a.op = hcomm::api::Rma::acc;
+  a.dtype = dt;
+  a.redop = op;
+  return a;
+}
+Context::RmaArgs notify_args(const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off, hcomm_rkey_t* nk,
+                             uint64_t noff, uint64_t value) {
+  Context::RmaArgs a = put_args(local, len, rkey, off);
+  if (nk == nullptr) nk = reinterpret_cast<hcomm_rkey_t*>(1);  // rejected below as a bad key
+  a.notify_rkey = nk;
+  a.notify_off = noff;
+  a.notify_value = value;
+  return a;
+}
+Context::RmaArgs atomic_args(hcomm::api::Rma op, hcomm_rkey_t* rkey, uint64_t off, uint64_t operand, uint64_t compare,
+                             uint64_t* old) {
+  Context::RmaArgs a;
+  a.op = op;
+  a.rkey = rkey;
+  a.roff = off;
+  a.operand = operand;
+  a.compare = compare;
+  a.old_value = old;
+  return a;
+}
+
+hcomm_status_t rma_blocking(hcomm_context_t* c, const Context::RmaArgs& a, int timeout_ms) {
+  CTX_OR_FAIL(c);
+  if (a.notify_rkey == reinterpret_cast<hcomm_rkey_t*>(1)) return fail(HCOMM_ERR_INVALID, "null notify key");
+  if (ctx.rma_sync(a)) return ret(ctx.rma(a, nullptr));  // synchronous lane: complete at the target on return
+  std::shared_ptr<Request> r;
+  Status st = ctx.rma(a, &r);
+  return run_blocking(ctx, st, r, timeout_ms);
+}
+hcomm_status_t rma_nb(hcomm_context_t* c, const Context::RmaArgs& a, hcomm_request_t** req) {
+  CTX_OR_FAIL(c);
+  if (req == nullptr) return fail(HCOMM_ERR_INVALID, "null request pointer");
+  if (a.notify_rkey == reinterpret_cast<hcomm_rkey_t*>(1)) return fail(HCOMM_ERR_INVALID, "null notify key");
+  std::shared_ptr<Request> r;
+  Status st = ctx.rma(a, &r);
+  if (!st) return ret(st);
+  return new_request(ctx, std::move(r), req);
+}
+}  // namespace
+
 extern "C" {
 
 uint32_t hcomm_api_version(void) { return HCOMM_API_VERSION; }
@@ -254,70 +320,6 @@ hcomm_status_t hcomm_request_recv_info(const hcomm_request_t* req, hcomm_recv_in
 
 // ---- one-sided ----
 
-namespace {
-Context::RmaArgs put_args(const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off) {
-  Context::RmaArgs a;
-  a.op = hcomm::api::Rma::put;
-  a.local = static_cast<uint8_t*>(const_cast<void*>(local));
-  a.len = len;
-  a.rkey = rkey;
-  a.roff = off;
-  return a;
-}
-Context::RmaArgs get_args(void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off) {
-  Context::RmaArgs a = put_args(local, len, rkey, off);
-  a.op = hcomm::api::Rma::get;
-  return a;
-}
-Context::RmaArgs acc_args(const void* local, size_t count, hcomm_dtype_t dt, hcomm_op_t op, hcomm_rkey_t* rkey,
-                          uint64_t off, bool* ok) {
-  size_t es = hcomm_dtype_size(dt);
-  *ok = es != 0 && count <= SIZE_MAX / es;
-  Context::RmaArgs a = put_args(local, count * (es ? es : 1), rkey, off);
-  a.op = hcomm::api::Rma::acc;
-  a.dtype = dt;
-  a.redop = op;
-  return a;
-}
-Context::RmaArgs notify_args(const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off, hcomm_rkey_t* nk,
-                             uint64_t noff, uint64_t value) {
-  Context::RmaArgs a = put_args(local, len, rkey, off);
-  if (nk == nullptr) nk = reinterpret_cast<hcomm_rkey_t*>(1);  // rejected below as a bad key
-  a.notify_rkey = nk;
-  a.notify_off = noff;
-  a.notify_value = value;
-  return a;
-}
-Context::RmaArgs atomic_args(hcomm::api::Rma op, hcomm_rkey_t* rkey, uint64_t off, uint64_t operand, uint64_t compare,
-                             uint64_t* old) {
-  Context::RmaArgs a;
-  a.op = op;
-  a.rkey = rkey;
-  a.roff = off;
-  a.operand = operand;
-  a.compare = compare;
-  a.old_value = old;
-  return a;
-}
-
-hcomm_status_t rma_blocking(hcomm_context_t* c, const Context::RmaArgs& a, int timeout_ms) {
-  CTX_OR_FAIL(c);
-  if (a.notify_rkey == reinterpret_cast<hcomm_rkey_t*>(1)) return fail(HCOMM_ERR_INVALID, "null notify key");
-  if (ctx.rma_sync(a)) return ret(ctx.rma(a, nullptr));  // synchronous lane: complete at the target on return
-  std::shared_ptr<Request> r;
-  Status st = ctx.rma(a, &r);
-  return run_blocking(ctx, st, r, timeout_ms);
-}
-hcomm_status_t rma_nb(hcomm_context_t* c, const Context::RmaArgs& a, hcomm_request_t** req) {
-  CTX_OR_FAIL(c);
-  if (req == nullptr) return fail(HCOMM_ERR_INVALID, "null request pointer");
-  if (a.notify_rkey == reinterpret_cast<hcomm_rkey_t*>(1)) return fail(HCOMM_ERR_INVALID, "null notify key");
-  std::shared_ptr<Request> r;
-  Status st = ctx.rma(a, &r);
-  if (!st) return ret(st);
-  return new_request(ctx, std::move(r), req);
-}
-}  // namespace
 
 hcomm_status_t hcomm_put(hcomm_context_t* c, const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off,
                          int timeout_ms) {

@@ -84,9 +84,26 @@ void ControlServer::loop() {
   }
 }
 
-// One client at a time; lines up to 256 bytes; a client idle for 5 s is dropped.
+std::string ControlSession::feed(const char* data, size_t n, bool* drop) {
+  *drop = false;
+  _buf.append(data, n);
+  std::string replies;
+  size_t nl;
+  while ((nl = _buf.find('\n')) != std::string::npos) {
+    if (nl > kMaxLine) break;
+    replies += control_command(_fabric, _buf.substr(0, nl)) + "\n";
+    _buf.erase(0, nl + 1);
+  }
+  if (_buf.size() > kMaxLine) {
+    replies += "error: line too long\n";
+    *drop = true;
+  }
+  return replies;
+}
+
+// One client at a time; a client idle for 5 s is dropped.
 void ControlServer::serve(int fd) {
-  std::string buf;
+  ControlSession session(_fabric);
   Deadline idle = Deadline::after_ms(5000);
   while (!_stop && !idle.expired()) {
     pollfd p{fd, POLLIN, 0};
@@ -94,19 +111,11 @@ void ControlServer::serve(int fd) {
     char tmp[256];
     ssize_t n = ::read(fd, tmp, sizeof tmp);
     if (n <= 0) return;
-    buf.append(tmp, static_cast<size_t>(n));
     idle = Deadline::after_ms(5000);
-    size_t nl;
-    while ((nl = buf.find('\n')) != std::string::npos) {
-      std::string reply = control_command(_fabric, buf.substr(0, nl)) + "\n";
-      buf.erase(0, nl + 1);
-      if (::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL) < 0) return;
-    }
-    if (buf.size() > 256) {
-      const char* err = "error: line too long\n";
-      ::send(fd, err, std::strlen(err), MSG_NOSIGNAL);
-      return;
-    }
+    bool drop = false;
+    std::string reply = session.feed(tmp, static_cast<size_t>(n), &drop);
+    if (!reply.empty() && ::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL) < 0) return;
+    if (drop) return;
   }
 }
 

@@ -24,6 +24,22 @@ class Fabric;
 // Executes one command line against the fabric; returns the reply line.
 std::string control_command(Fabric& fabric, const std::string& line);
 
+// One client's byte stream: each complete line is executed in order and
+// answered with one line. Lines are at most kMaxLine bytes; a longer one
+// gets "error: line too long" and the client is to be dropped.
+class ControlSession {
+ public:
+  static constexpr size_t kMaxLine = 256;
+  explicit ControlSession(Fabric& fabric) : _fabric(fabric) {}
+  // Takes the next bytes from the client; returns the replies they complete
+  // (each ending in '\n'). *drop is set when the client must be dropped.
+  std::string feed(const char* data, size_t n, bool* drop);
+
+ private:
+  Fabric& _fabric;
+  std::string _buf;
+};
+
 class ControlServer {
  public:
   explicit ControlServer(Fabric& fabric) : _fabric(fabric) {}

@@ -30,6 +30,7 @@
 #include "hal/npu/device.h"
 #include "hal/npu/dma_queue.h"
 #include "hcomm_config.h"
+#include "tools/options.h"
 
 #if HCOMM_HAVE_IBVERBS
 #include <arpa/inet.h>
@@ -690,23 +691,40 @@ void usage() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Opts o;
-  std::vector<std::string> args;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--json") o.json = true;
-    else if (a == "--sim-dir" && i + 1 < argc) o.sim_dir = argv[++i];
-    else if (a == "--version") return std::printf("hcomm-probe %s\n", HCOMM_VERSION), 0;
-    else if (a == "-h" || a == "--help") return usage(), 0;
-    else args.push_back(a);
+  hcomm::tools::ProbeOptions po;
+  std::string why;
+  switch (hcomm::tools::parse_probe_args(std::vector<std::string>(argv + 1, argv + argc), HCOMM_HAVE_IBVERBS != 0,
+                                         &po, &why)) {
+    case hcomm::tools::Parsed::help:
+      usage();
+      return 0;
+    case hcomm::tools::Parsed::usage_error:
+      std::fprintf(stderr, "hcomm-probe: %s\n", why.c_str());
+      usage();
+      return 2;
+    case hcomm::tools::Parsed::run:
+      break;
   }
-  if (args.empty()) return usage(), 2;
-  if (args[0] == "list" && args.size() == 1) return cmd_list(o);
-  if (args[0] == "info" && args.size() == 2) return cmd_info(o, args[1]);
-  if (args[0] == "selftest" && args.size() == 2) return cmd_selftest(o, args[1]);
+  Opts o;
+  o.json = po.json;
+  if (!po.sim_dir.empty()) o.sim_dir = po.sim_dir;
+  using C = hcomm::tools::ProbeOptions::Command;
+  switch (po.command) {
+    case C::version:
+      std::printf("hcomm-probe %s\n", HCOMM_VERSION);
+      return 0;
+    case C::list:
+      return cmd_list(o);
+    case C::info:
+      return cmd_info(o, po.device);
+    case C::selftest:
+      return cmd_selftest(o, po.device);
 #if HCOMM_HAVE_IBVERBS
-  if (args[0] == "rdma" && args.size() == 1) return cmd_rdma(o);
+    case C::rdma:
+      return cmd_rdma(o);
 #endif
-  usage();
-  return 2;
+    default:
+      usage();
+      return 2;
+  }
 }

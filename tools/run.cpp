@@ -51,6 +51,7 @@
 #include <vector>
 
 #include "common/paths.h"
+#include "tools/options.h"
 
 namespace {
 
@@ -59,72 +60,26 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kMaxLine = 64 * 1024;
 constexpr auto kKillDelay = std::chrono::seconds(2);
 
-struct Options {
-  int n = 0;
-  bool sim = false;
-  int sim_devices = 0;
-  double timeout_s = 0;
-  double grace_s = 10;
-  std::vector<std::string> argv;
-};
+using hcomm::tools::RunOptions;
+namespace tools = hcomm::tools;
+constexpr const char* kUsage =
+    "usage: hcomm-run -n N [--sim] [--sim-devices K] [--timeout SEC] [--grace SEC] [--] prog args...\n";
 
-[[noreturn]] void usage(const char* why) {
-  std::fprintf(stderr,
-               "hcomm-run: %s\n"
-               "usage: hcomm-run -n N [--sim] [--sim-devices K] [--timeout SEC] [--grace SEC] [--] prog args...\n",
-               why);
-  std::exit(2);
-}
-
-bool parse_num(const char* s, double lo, double hi, double* out) {
-  char* end = nullptr;
-  errno = 0;
-  double v = std::strtod(s, &end);
-  if (end == s || *end != '\0' || errno != 0 || !(v >= lo && v <= hi)) return false;
-  *out = v;
-  return true;
-}
-
-Options parse(int argc, char** argv) {
-  Options o;
-  int i = 1;
-  auto value = [&](const char* opt) -> const char* {
-    if (i + 1 >= argc) usage((std::string(opt) + " needs a value").c_str());
-    return argv[++i];
-  };
-  for (; i < argc; ++i) {
-    std::string a = argv[i];
-    double v;
-    if (a == "--") {
-      ++i;
+// Exits 0 on --help (usage on stdout), 2 with usage on stderr on a bad command line.
+RunOptions parse(int argc, char** argv) {
+  RunOptions o;
+  std::string why;
+  switch (tools::parse_run_args(std::vector<std::string>(argv + 1, argv + argc), &o, &why)) {
+    case tools::Parsed::run:
+      return o;
+    case tools::Parsed::help:
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    case tools::Parsed::usage_error:
       break;
-    } else if (a == "-n" || a == "--np") {
-      if (!parse_num(value("-n"), 1, 4096, &v) || v != static_cast<int>(v)) usage("-n wants an integer in 1..4096");
-      o.n = static_cast<int>(v);
-    } else if (a == "--sim") {
-      o.sim = true;
-    } else if (a == "--sim-devices") {
-      if (!parse_num(value("--sim-devices"), 1, 256, &v) || v != static_cast<int>(v))
-        usage("--sim-devices wants an integer in 1..256");
-      o.sim_devices = static_cast<int>(v);
-    } else if (a == "--timeout") {
-      if (!parse_num(value("--timeout"), 0.001, 1e7, &v)) usage("--timeout wants a positive number of seconds");
-      o.timeout_s = v;
-    } else if (a == "--grace") {
-      if (!parse_num(value("--grace"), 0, 1e7, &v)) usage("--grace wants a number of seconds");
-      o.grace_s = v;
-    } else if (a == "-h" || a == "--help") {
-      usage("help");
-    } else if (!a.empty() && a[0] == '-') {
-      usage(("unknown option " + a).c_str());
-    } else {
-      break;
-    }
   }
-  for (; i < argc; ++i) o.argv.emplace_back(argv[i]);
-  if (o.n == 0) usage("-n N is required");
-  if (o.argv.empty()) usage("no program given");
-  return o;
+  std::fprintf(stderr, "hcomm-run: %s\n%s", why.c_str(), kUsage);
+  std::exit(2);
 }
 
 void write_full(int fd, const std::string& s) {
@@ -262,7 +217,7 @@ std::string sim_binary() {
   return "hcomm-sim";  // execvp searches PATH
 }
 
-bool wants_sim(const Options& o) {
+bool wants_sim(const RunOptions& o) {
   if (o.sim) return true;
   const char* eng = std::getenv("HCOMM_ENGINE");
   if (eng == nullptr || std::string(eng) != "npu") return false;
@@ -278,7 +233,7 @@ void signal_group(const Child& c, int sig) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options opt = parse(argc, argv);
+  RunOptions opt = parse(argc, argv);
 
   // Signals arrive through a signalfd, in the one event loop: no handlers,
   // no EINTR races. Children get the old mask back before exec.

@@ -149,7 +149,9 @@ Status Context::init(const hcomm_config_t& cfg) {
     rl.rlim_cur = rl.rlim_max;
     (void)::setrlimit(RLIMIT_NOFILE, &rl);
   }
-  const int timeout_ms = cfg.bootstrap_timeout_ms > 0 ? cfg.bootstrap_timeout_ms : 30000;
+  long boot_ms = cfg.bootstrap_timeout_ms > 0 ? cfg.bootstrap_timeout_ms : 30000;
+  HCOMM_TRY(env_int("HCOMM_BOOTSTRAP_TIMEOUT_MS", 100, 3600000, &boot_ms));
+  const int timeout_ms = static_cast<int>(boot_ms);
   long check_ms = cfg.peer_check_ms > 0 ? cfg.peer_check_ms : 1;
   HCOMM_TRY(env_int("HCOMM_PEER_CHECK_MS", 1, 60000, &check_ms));
   _peer_check = std::chrono::milliseconds(check_ms);
@@ -494,14 +496,10 @@ void Context::drain_socket(Peer& p) {
     if (st.code() == Code::timeout) return;
     if (!st) return peer_failed(p, st.message());
     CtrlMsg m{};
-    if (buf.size() != sizeof m) return peer_failed(p, "malformed control message");
-    std::memcpy(&m, buf.data(), sizeof m);
-    if (m.type == static_cast<uint32_t>(CtrlType::advert) && fds.size() == 1 && m.slot < kMaxRegs &&
-        _shm != nullptr) {
-      _shm->on_advert(p.rank, m.slot, m.gen, std::move(fds[0]));
-    } else {
-      return peer_failed(p, "unexpected control message type " + std::to_string(m.type));
-    }
+    st = meshwire::parse_ctrl(buf, fds.size(), CtrlType::advert, p.rank, 1, kMaxRegs, &m);
+    if (!st) return peer_failed(p, st.message());
+    if (_shm == nullptr) return peer_failed(p, "an advert, but shared memory is not in use");
+    _shm->on_advert(p.rank, m.slot, m.gen, std::move(fds[0]));
   }
 }
 

@@ -23,6 +23,7 @@
 #include "api/mem/memory.h"
 #include "api/transport/transport.h"
 #include "api/wireup/bootstrap.h"
+#include "api/wireup/mesh_wire.h"
 #include "common/fd.h"
 #include "common/status.h"
 #include "common/time.h"
@@ -99,17 +100,9 @@ struct Peer {
   std::deque<std::shared_ptr<Request>> backlog;  // sends waiting for room on the messaging lane
 };
 
-// Control-socket messages (same host: AF_UNIX with fds).
-enum class CtrlType : uint32_t { segments = 1, advert = 2 };
-struct CtrlMsg {
-  uint32_t type;  // CtrlType
-  int32_t rank;
-  int32_t pid;
-  uint32_t slot;  // advert
-  uint32_t gen;   // advert
-  uint32_t nfds;
-};
-static_assert(sizeof(CtrlMsg) == 24);
+// Control-socket messages: api/wireup/mesh_wire.h.
+using meshwire::CtrlMsg;
+using meshwire::CtrlType;
 
 class Context final : public AmSink {
  public:

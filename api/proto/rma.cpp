@@ -80,7 +80,8 @@ Status Context::rma(const RmaArgs& a, std::shared_ptr<Request>* out) {
     op.local_mem = find_local(a.local, len);
     if (op.local_mem == nullptr)
       return Status::error(Code::invalid_argument,
-                           "local buffer [%p,+%zu) is not inside memory registered with this context", a.local, len);
+                           "local buffer [%p,+%zu) is not inside memory registered with this context",
+                           static_cast<const void*>(a.local), len);
   }
   if (lane->caps().sync) {
     // Complete at the target when each call returns: the data, then the word.

@@ -17,6 +17,7 @@
 #include <sstream>
 #include <thread>
 
+#include "api/wireup/bootstrap_wire.h"
 #include "api/wireup/run_dir.h"
 #include "common/env.h"
 
@@ -132,150 +133,9 @@ Status detect_launch(LaunchInfo* out) {
   return Status::ok();
 }
 
-// ------------------------------------------------------------ wire format --
-//
-// Every frame: a 16-byte header in network byte order, then `length` bytes.
-//   magic 'HCBS' | version u16 | type u16 | seq u32 | length u32
-// HELLO   leaf -> root  u32 rank, u32 size, job id bytes
-// WELCOME root -> leaf  empty: everyone has joined
-// CONTRIB leaf -> root  the blob of collective #seq
-// RESULT  root -> leaf  u32 count, then count x (u32 len, bytes)
-// ABORT   root -> leaf  u32 code, message bytes: the job failed, and why
-
 namespace {
 
-constexpr uint32_t kMagic = 0x48434253;  // "HCBS"
-constexpr uint16_t kVersion = 1;
-enum FrameType : uint16_t { kHello = 1, kWelcome, kContrib, kResult, kAbort };
-constexpr size_t kHeader = 16;
-constexpr size_t kMaxJobId = Bootstrap::kMaxJobId;
-constexpr size_t kMaxAbortMsg = 4096;
-
-void put32(std::string* s, uint32_t v) {
-  uint32_t be = htonl(v);
-  s->append(reinterpret_cast<const char*>(&be), 4);
-}
-uint32_t get32(const char* p) {
-  uint32_t be;
-  std::memcpy(&be, p, 4);
-  return ntohl(be);
-}
-
-std::string frame(FrameType type, uint32_t seq, const std::string& payload) {
-  std::string f;
-  f.reserve(kHeader + payload.size());
-  put32(&f, kMagic);
-  uint16_t v = htons(kVersion), t = htons(type);
-  f.append(reinterpret_cast<const char*>(&v), 2);
-  f.append(reinterpret_cast<const char*>(&t), 2);
-  put32(&f, seq);
-  put32(&f, static_cast<uint32_t>(payload.size()));
-  f += payload;
-  return f;
-}
-
-struct Frame {
-  FrameType type = kHello;
-  uint32_t seq = 0;
-  std::string payload;
-};
-
-// Waits for `events` on fd until the deadline: ok, or timeout.
-Status wait_fd(int fd, short events, const Deadline& dl, const std::string& what) {
-  for (;;) {
-    pollfd p{fd, events, 0};
-    int n = ::poll(&p, 1, dl.remaining_ms());
-    if (n > 0) return Status::ok();
-    if (n == 0) return Status::error(Code::timeout, "%s: deadline passed", what.c_str());
-    if (errno != EINTR) return Status::from_errno(errno, what + ": poll");
-  }
-}
-
-// `who` names the other side in messages ("rank 3").
-Status write_all(int fd, const std::string& bytes, const Deadline& dl, const std::string& who) {
-  size_t off = 0;
-  while (off < bytes.size()) {
-    ssize_t n = ::send(fd, bytes.data() + off, bytes.size() - off, MSG_NOSIGNAL);
-    if (n > 0) {
-      off += static_cast<size_t>(n);
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      HCOMM_TRY(wait_fd(fd, POLLOUT, dl, "sending to " + who));
-      continue;
-    }
-    if (n < 0 && (errno == EPIPE || errno == ECONNRESET))
-      return Status::error(Code::peer_failure, "%s closed its bootstrap connection (exited or killed?)",
-                           who.c_str());
-    return Status::from_errno(errno, "send to " + who);
-  }
-  return Status::ok();
-}
-
-Status read_exact(int fd, char* buf, size_t len, const Deadline& dl, const std::string& who) {
-  size_t off = 0;
-  while (off < len) {
-    ssize_t n = ::recv(fd, buf + off, len - off, 0);
-    if (n > 0) {
-      off += static_cast<size_t>(n);
-      continue;
-    }
-    if (n == 0 || (n < 0 && errno == ECONNRESET))
-      return Status::error(Code::peer_failure, "%s closed its bootstrap connection (exited or killed?)",
-                           who.c_str());
-    if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      HCOMM_TRY(wait_fd(fd, POLLIN, dl, "waiting for " + who));
-      continue;
-    }
-    return Status::from_errno(errno, "recv from " + who);
-  }
-  return Status::ok();
-}
-
-// Reads one frame; the header is validated before any payload is read, so a
-// garbage length never makes us allocate.
-Status read_frame(int fd, const Deadline& dl, size_t max_payload, const std::string& who, Frame* f) {
-  char h[kHeader];
-  HCOMM_TRY(read_exact(fd, h, kHeader, dl, who));
-  uint32_t magic = get32(h);
-  uint16_t version, type;
-  std::memcpy(&version, h + 4, 2);
-  std::memcpy(&type, h + 6, 2);
-  version = ntohs(version);
-  type = ntohs(type);
-  uint32_t len = get32(h + 12);
-  if (magic != kMagic)
-    return Status::error(Code::protocol_error, "bootstrap frame from %s: bad magic 0x%08x", who.c_str(), magic);
-  if (version != kVersion)
-    return Status::error(Code::protocol_error, "bootstrap frame from %s: version %u, expected %u", who.c_str(),
-                         version, kVersion);
-  if (type < kHello || type > kAbort)
-    return Status::error(Code::protocol_error, "bootstrap frame from %s: unknown type %u", who.c_str(), type);
-  size_t cap = type == kAbort ? kMaxAbortMsg + 4 : max_payload;
-  if (len > cap)
-    return Status::error(Code::protocol_error, "bootstrap frame from %s: length %u exceeds %zu", who.c_str(), len,
-                         cap);
-  f->type = static_cast<FrameType>(type);
-  f->seq = get32(h + 8);
-  f->payload.assign(len, '\0');
-  return read_exact(fd, f->payload.data(), len, dl, who);
-}
-
-std::string abort_payload(const Status& st) {
-  std::string p;
-  put32(&p, static_cast<uint32_t>(st.code()));
-  p += st.message().substr(0, kMaxAbortMsg);
-  return p;
-}
-
-Status abort_status(const Frame& f, const std::string& who) {
-  if (f.payload.size() < 4) return Status::error(Code::protocol_error, "short ABORT frame from %s", who.c_str());
-  uint32_t code = get32(f.payload.data());
-  if (code == 0 || code > static_cast<uint32_t>(Code::closed)) code = static_cast<uint32_t>(Code::peer_failure);
-  return Status(static_cast<Code>(code), who + " aborted the job: " + f.payload.substr(4));
-}
+using namespace bootwire;
 
 std::string rank_name(int r) { return "rank " + std::to_string(r); }
 
@@ -404,14 +264,6 @@ Status try_connect(const std::string& addr, int port, const Deadline& dl, Unique
   }
   ::freeaddrinfo(res);
   return last;
-}
-
-std::string hello_payload(int rank, int size, const std::string& job) {
-  std::string p;
-  put32(&p, static_cast<uint32_t>(rank));
-  put32(&p, static_cast<uint32_t>(size));
-  p += job;
-  return p;
 }
 
 std::string list_ranks(const std::vector<int>& rs) {
@@ -575,15 +427,15 @@ Status TcpBootstrap::join_root(const LaunchInfo& li, const Deadline& dl, int tim
     Deadline hdl(std::min(std::chrono::nanoseconds(std::chrono::seconds(2)),
                           std::chrono::duration_cast<std::chrono::nanoseconds>(join.at() - Clock::now())));
     Frame f;
-    Status st = read_frame(c.get(), hdl, 8 + kMaxJobId, "a connecting rank", &f);
-    if (st && f.type != kHello) st = Status::error(Code::protocol_error, "first frame is not HELLO");
-    if (st && f.payload.size() < 8) st = Status::error(Code::protocol_error, "short HELLO");
+    Hello h;
+    Status st = read_frame(c.get(), hdl, kMaxHello, "a connecting rank", &f);
+    if (st) st = parse_hello(f, &h);
     if (!st) {
       dropped += "; dropped a connection: " + st.message();
       continue;
     }
-    uint32_t r = get32(f.payload.data()), sz = get32(f.payload.data() + 4);
-    std::string job = f.payload.substr(8);
+    const uint32_t r = h.rank, sz = h.size;
+    const std::string& job = h.job;
     Status reject;
     if (sz != static_cast<uint32_t>(size()))
       reject = Status::error(Code::invalid_argument, "world size mismatch: rank 0 has %d, rank %u has %u", size(),
@@ -718,13 +570,7 @@ Status TcpBootstrap::allgather_root(uint32_t seq, const std::string& mine, std::
       --missing;
     }
   }
-  std::string payload;
-  put32(&payload, static_cast<uint32_t>(size()));
-  for (const auto& s : *all) {
-    put32(&payload, static_cast<uint32_t>(s.size()));
-    payload += s;
-  }
-  std::string f = frame(kResult, seq, payload);
+  std::string f = frame(kResult, seq, result_payload(*all));
   for (int r = 1; r < size(); ++r) {
     Status st = write_all(_peers[static_cast<size_t>(r)].get(), f, dl, rank_name(r));
     if (!st) {
@@ -748,26 +594,7 @@ Status TcpBootstrap::allgather_leaf(uint32_t seq, const std::string& mine, std::
                            seq);
     return st;
   }
-  if (f.type == kAbort) return abort_status(f, who);
-  if (f.type != kResult || f.seq != seq)
-    return Status::error(Code::protocol_error, "rank 0 sent frame type %u seq %u, expected a RESULT of #%u", f.type,
-                         f.seq, seq);
-  const std::string& p = f.payload;
-  if (p.size() < 4 || get32(p.data()) != static_cast<uint32_t>(size()))
-    return Status::error(Code::protocol_error, "RESULT from rank 0 does not hold %d blobs", size());
-  all->assign(static_cast<size_t>(size()), std::string());
-  size_t off = 4;
-  for (int r = 0; r < size(); ++r) {
-    if (p.size() - off < 4) return Status::error(Code::protocol_error, "RESULT from rank 0 is truncated");
-    size_t len = get32(p.data() + off);
-    off += 4;
-    if (len > kMaxBlob || p.size() - off < len)
-      return Status::error(Code::protocol_error, "RESULT from rank 0: blob %d has a bad length %zu", r, len);
-    (*all)[static_cast<size_t>(r)] = p.substr(off, len);
-    off += len;
-  }
-  if (off != p.size()) return Status::error(Code::protocol_error, "RESULT from rank 0 has trailing bytes");
-  return Status::ok();
+  return parse_result(f, seq, size(), all);
 }
 
 Status TcpBootstrap::exchange(uint32_t seq, Collective, const std::string& mine, std::vector<std::string>* all,

@@ -80,10 +80,16 @@ std::string host_id() {
   if (const char* h = env("HCOMM_HOST_ID")) return h;
   char name[256] = {};
   if (::gethostname(name, sizeof name - 1) != 0) std::strcpy(name, "localhost");
+  std::string id = name;
   std::ifstream in("/proc/sys/kernel/random/boot_id");
   std::string boot;
-  if (in >> boot) return std::string(name) + "/" + boot;
-  return name;
+  if (in >> boot) id += "/" + boot;
+  // The mesh's same-host sockets live in the network namespace's abstract
+  // socket space: processes in different namespaces must talk as hosts do.
+  char ns[64] = {};
+  ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof ns - 1);
+  if (n > 0) id += "/" + std::string(ns, static_cast<size_t>(n));
+  return id;
 }
 
 Status mesh_listen_address(std::string* addr) {

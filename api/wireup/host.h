@@ -10,11 +10,12 @@ namespace hcomm::api {
 
 // Which machine this process runs on, as the mesh compares it: env
 // HCOMM_HOST_ID if set (tests use it to make ranks on one machine look like
-// separate hosts), else "<hostname>/<boot id>" from
+// separate hosts), else "<hostname>/<boot id>/<network namespace>" from
 // /proc/sys/kernel/random/boot_id (two machines cloned with one hostname
-// still differ), else the hostname alone. Same host id = the mesh expects to
-// reach the peer through /tmp/hcomm-<uid>/ with AF_UNIX: containers that
-// share a kernel but not /tmp need distinct hostnames or HCOMM_HOST_ID.
+// still differ) and /proc/self/ns/net (the mesh's same-host sockets are
+// abstract AF_UNIX names, which exist per network namespace), each part
+// left out when it cannot be read. Same host id = the mesh reaches the peer
+// with AF_UNIX and passes it descriptors (shared memory).
 std::string host_id();
 
 // The numeric address this rank's cross-host (TCP) mesh listener binds to,

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -21,9 +22,12 @@
 #include <thread>
 
 #include "api/wireup/host.h"
+#include "api/wireup/mesh_wire.h"
 #include "api/wireup/run_dir.h"
 
 namespace hcomm::api {
+
+using namespace meshwire;
 
 namespace {
 
@@ -350,6 +354,10 @@ namespace {
 // --- same host: AF_UNIX SOCK_SEQPACKET ---
 
 
+}  // namespace
+
+namespace meshwire {
+
 constexpr uint32_t kHelloMagic = 0x48434d48;  // "HCMH"
 constexpr uint32_t kHelloVersion = 1;
 
@@ -385,6 +393,10 @@ Status check_hello(const std::vector<uint8_t>& m, const std::string& job, int se
   return Status::ok();
 }
 
+}  // namespace meshwire
+
+namespace {
+
 // The kernel's word on who is at the other end, against the claimed pid.
 Status check_cred(int fd, pid_t want, int r) {
   ucred cr{};
@@ -396,41 +408,32 @@ Status check_cred(int fd, pid_t want, int r) {
   return Status::ok();
 }
 
-Status make_addr(const std::string& path, sockaddr_un* a) {
-  if (path.size() >= sizeof a->sun_path)
-    return Status::error(Code::invalid_argument, "socket path too long: %s", path.c_str());
+// The mesh listens in Linux's abstract socket namespace: the name is gone
+// the moment its socket closes, so a rank killed at any point leaves no
+// socket file or directory behind. Names carry the uid and the job id;
+// who may connect is checked by the hello and SO_PEERCRED (pid and uid), as
+// file permissions would be. In the allgather blob the name is written with
+// a leading '@' for the NUL.
+std::string listen_name(const std::string& job, int rank) {
+  return "@hcomm-" + std::to_string(::getuid()) + "-mesh-" + file_safe_job(job) + "-r" + std::to_string(rank);
+}
+
+Status make_addr(const std::string& name, sockaddr_un* a, socklen_t* len) {
+  if (name.size() < 2 || name[0] != '@' || name.size() > sizeof a->sun_path)
+    return Status::error(Code::protocol_error, "bad mesh socket name \"%s\"", name.c_str());
   *a = {};
   a->sun_family = AF_UNIX;
-  std::memcpy(a->sun_path, path.c_str(), path.size() + 1);
+  std::memcpy(a->sun_path + 1, name.data() + 1, name.size() - 1);  // sun_path[0] = 0: abstract
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + name.size());
   return Status::ok();
 }
 
-// Owns the listening socket and its path; unlinks both on every exit.
-struct Listener {
-  UniqueFd fd;
-  std::string dir, path;
-  ~Listener() {
-    fd.reset();
-    if (!path.empty()) ::unlink(path.c_str());
-    if (!dir.empty()) (void)::rmdir(dir.c_str());  // the last rank out removes it (ENOTEMPTY otherwise)
-  }
-};
-
 // --- other hosts: TCP ---
 
-enum : uint16_t { kTcpHello = 1, kTcpRefuse = 2 };
-constexpr size_t kMaxRefuse = 1024;
 // A connection that has not said hello within this long is dropped, so that
 // a silent stranger cannot hold up the mesh for long.
 constexpr auto kHelloWait = std::chrono::seconds(2);
 
-struct TcpHello {
-  uint32_t magic = 0;
-  uint16_t version = 0, type = 0;
-  uint64_t cookie = 0;
-  uint32_t rank = 0, size = 0;
-  std::string text;
-};
 
 void put16(std::string* s, uint16_t v) {
   v = htons(v);
@@ -446,7 +449,11 @@ uint32_t get32(const uint8_t* p) {
   return ntohl(v);
 }
 
-std::string tcp_hello(uint16_t type, uint64_t cookie, int rank, int size, const std::string& text = {}) {
+}  // namespace
+
+namespace meshwire {
+
+std::string tcp_hello(uint16_t type, uint64_t cookie, int rank, int size, const std::string& text) {
   std::string h;
   put32(&h, kMeshTcpMagic);
   put16(&h, kMeshTcpVersion);
@@ -459,6 +466,10 @@ std::string tcp_hello(uint16_t type, uint64_t cookie, int rank, int size, const 
   put32(&h, static_cast<uint32_t>(t.size()));
   return h + t;
 }
+
+}  // namespace meshwire
+
+namespace {
 
 Status write_all(int fd, const std::string& bytes, const Deadline& dl, int peer_rank) {
   size_t off = 0;
@@ -478,6 +489,10 @@ Status write_all(int fd, const std::string& bytes, const Deadline& dl, int peer_
   }
   return Status::ok();
 }
+
+}  // namespace
+
+namespace meshwire {
 
 // Reads one hello; the magic and the text length are checked before the
 // text is read, so a stranger's garbage never makes us wait for or allocate
@@ -534,6 +549,33 @@ Status check_tcp_hello(const TcpHello& h, uint64_t cookie, int me, int size, int
   if (l.fd.valid()) return Status::error(Code::protocol_error, "mesh hello: rank %u connected twice", h.rank);
   return Status::ok();
 }
+
+Status parse_ctrl(const std::vector<uint8_t>& buf, size_t nfds, CtrlType want, int from_rank, size_t want_fds,
+                  uint32_t max_slots, CtrlMsg* out) {
+  const char* what = want == CtrlType::segments ? "segment message" : "control message";
+  if (buf.size() != sizeof(CtrlMsg))
+    return Status::error(Code::protocol_error, "rank %d: malformed %s (%zu bytes, expected %zu)", from_rank, what,
+                         buf.size(), sizeof(CtrlMsg));
+  CtrlMsg m;
+  std::memcpy(&m, buf.data(), sizeof m);
+  if (m.type != static_cast<uint32_t>(want))
+    return Status::error(Code::protocol_error, "rank %d: unexpected control message type %u (expected %u)", from_rank,
+                         m.type, static_cast<uint32_t>(want));
+  if (m.rank != from_rank)
+    return Status::error(Code::protocol_error, "rank %d: %s claims to come from rank %d", from_rank, what, m.rank);
+  if (nfds != want_fds)
+    return Status::error(Code::protocol_error, "rank %d: %s with %zu descriptors, expected %zu", from_rank, what, nfds,
+                         want_fds);
+  if (want == CtrlType::advert && m.slot >= max_slots)
+    return Status::error(Code::protocol_error, "rank %d: advert of key slot %u, beyond %u", from_rank, m.slot,
+                         max_slots);
+  *out = m;
+  return Status::ok();
+}
+
+}  // namespace meshwire
+
+namespace {
 
 // env HCOMM_KEEPALIVE_MS: the bound on noticing a silent peer host.
 Status keepalive_ms(int* out) {
@@ -697,23 +739,24 @@ Status connect_mesh(Bootstrap& boot, const Deadline& dl, std::vector<MeshLink>* 
 
   // Round 1: who is where. Every rank listens on its UNIX path first (the
   // allgather orders listening before anyone connects).
-  Listener l;
-  std::string base;
-  HCOMM_TRY(private_run_dir(&base));
-  l.dir = base + "/mesh-" + file_safe_job(boot.job_id());
-  if (::mkdir(l.dir.c_str(), 0700) != 0 && errno != EEXIST) return Status::from_errno(errno, "mkdir " + l.dir);
-  l.path = l.dir + "/r" + std::to_string(me) + ".sock";
+  UniqueFd listener;
+  const std::string my_name = listen_name(boot.job_id(), me);
   sockaddr_un addr;
-  HCOMM_TRY(make_addr(l.path, &addr));
-  l.fd.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (!l.fd.valid()) return Status::from_errno(errno, "socket(AF_UNIX, SOCK_SEQPACKET)");
-  ::unlink(l.path.c_str());  // a stale socket of an earlier run with this job id and rank
-  if (::bind(l.fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
-    return Status::from_errno(errno, "bind " + l.path);
-  if (::listen(l.fd.get(), size) != 0) return Status::from_errno(errno, "listen " + l.path);
+  socklen_t addr_len = 0;
+  HCOMM_TRY(make_addr(my_name, &addr, &addr_len));
+  listener.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!listener.valid()) return Status::from_errno(errno, "socket(AF_UNIX, SOCK_SEQPACKET)");
+  if (::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), addr_len) != 0) {
+    if (errno == EADDRINUSE)
+      return Status::error(Code::invalid_argument,
+                           "mesh socket %s is taken: another live process of job \"%s\" has rank %d (job id reused?)",
+                           my_name.c_str(), boot.job_id().c_str(), me);
+    return Status::from_errno(errno, "bind " + my_name);
+  }
+  if (::listen(listener.get(), size) != 0) return Status::from_errno(errno, "listen " + my_name);
 
   std::vector<std::string> all;
-  HCOMM_TRY(boot.allgather(std::to_string(::getpid()) + "\n" + my_host + "\n" + l.path, &all, dl));
+  HCOMM_TRY(boot.allgather(std::to_string(::getpid()) + "\n" + my_host + "\n" + my_name, &all, dl));
   std::vector<pid_t> pids(static_cast<size_t>(size));
   std::vector<std::string> paths(static_cast<size_t>(size));
   bool hosts_differ = false, have_remote = false;
@@ -772,11 +815,12 @@ Status connect_mesh(Bootstrap& boot, const Deadline& dl, std::vector<MeshLink>* 
       continue;
     }
     sockaddr_un a;
-    HCOMM_TRY(make_addr(paths[static_cast<size_t>(j)], &a));
+    socklen_t alen = 0;
+    HCOMM_TRY(make_addr(paths[static_cast<size_t>(j)], &a, &alen));
     for (;;) {
       fd.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
       if (!fd.valid()) return Status::from_errno(errno, "socket(AF_UNIX, SOCK_SEQPACKET)");
-      if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) break;
+      if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), alen) == 0) break;
       int err = errno;
       if (err != EAGAIN && err != EINTR)  // EAGAIN: backlog full, retry
         return Status::error(err == ECONNREFUSED || err == ENOENT ? Code::peer_failure : Code::io_error,
@@ -799,7 +843,7 @@ Status connect_mesh(Bootstrap& boot, const Deadline& dl, std::vector<MeshLink>* 
   // they come.
   std::string refused;  // strangers turned away, for the timeout message
   for (int pending = size - 1 - me; pending > 0;) {
-    pollfd pf[2] = {{l.fd.get(), POLLIN, 0}, {tcp_l.get(), POLLIN, 0}};
+    pollfd pf[2] = {{listener.get(), POLLIN, 0}, {tcp_l.get(), POLLIN, 0}};
     int n = ::poll(pf, tcp_l.valid() ? 2 : 1, dl.remaining_ms());
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return Status::from_errno(errno, "poll");
@@ -833,10 +877,10 @@ Status connect_mesh(Bootstrap& boot, const Deadline& dl, std::vector<MeshLink>* 
       }
     }
     if (pf[0].revents == 0) continue;
-    UniqueFd fd(::accept4(l.fd.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    UniqueFd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
     if (!fd.valid()) {
       if (errno == EAGAIN || errno == EINTR || errno == ECONNABORTED) continue;
-      return Status::from_errno(errno, "accept " + l.path);
+      return Status::from_errno(errno, "accept " + my_name);
     }
     std::vector<uint8_t> m;
     HCOMM_TRY(recv_msg(fd.get(), &m, nullptr, dl));

@@ -1,7 +1,8 @@
 // Mesh: one connected socket between every pair of ranks, plus the message
 // helpers the API layer uses on them.
 //  - Ranks on the same host (same host_id(), see host.h): AF_UNIX
-//    SOCK_SEQPACKET under /tmp/hcomm-<uid>/; one message = one packet;
+//    SOCK_SEQPACKET in the abstract namespace (no file: nothing is left
+//    behind by a rank that is killed); one message = one packet;
 //    file descriptors ride along with SCM_RIGHTS.
 //  - Ranks on different hosts: TCP. A message is a 4-byte big-endian length
 //    and that many bytes; descriptors cannot cross hosts.
@@ -60,8 +61,10 @@ uint64_t mesh_job_cookie(const std::string& job_id);
 
 // Collective (every rank of `boot` calls it). On success (*peers)[r] is the
 // link to rank r (see MeshLink). How:
-//  1. allgather (pid, host id, UNIX socket path): every rank listens on
-//     /tmp/hcomm-<uid>/mesh-<job>/r<rank>.sock; same host id = same host.
+//  1. allgather (pid, host id, UNIX socket name): every rank listens on
+//     the abstract name "\0hcomm-<uid>-mesh-<job>-r<rank>" (a live process
+//     of the same job holding it is invalid_argument); same host id = same
+//     host.
 //  2. only if some hosts differ: every rank with a peer on another host
 //     listens on TCP, on an ephemeral port of mesh_listen_address() (env
 //     HCOMM_SOCKET_ADDR / HCOMM_SOCKET_IFNAME / the route to MASTER_ADDR /
@@ -74,7 +77,7 @@ uint64_t mesh_job_cookie(const std::string& job_id);
 // TCP links get TCP_NODELAY and keepalive bounded by env HCOMM_KEEPALIVE_MS
 // (default 5000, 1000..3600000; formula in mesh.cpp): a peer host that goes
 // silent fails the link within about that long. The listening sockets are
-// closed (and unlinked) before returning, success or not.
+// closed before returning, success or not.
 Status connect_mesh(Bootstrap& boot, const Deadline& deadline, std::vector<MeshLink>* peers);
 
 // Orderly close: shuts our sending side (the peer's recv_msg sees the end,

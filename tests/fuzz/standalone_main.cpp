@@ -1,5 +1,6 @@
 // Deterministic driver for the fuzz targets when libFuzzer is not linked.
 //   fuzz_X [--iterations N] [--seed S] [FILE...]
+//   fuzz_X --dump-seeds DIR   writes the target's seeds there (a libFuzzer corpus to start from)
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -63,6 +64,20 @@ int main(int argc, char** argv) {
     std::string a = argv[i];
     if (a == "--iterations" && i + 1 < argc) iterations = std::strtol(argv[++i], nullptr, 10);
     else if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
+    else if (a == "--dump-seeds" && i + 1 < argc) {
+      const std::string dir = argv[++i];
+      int n = 0;
+      for (const auto& s : fuzz_seeds()) {
+        std::ofstream f(dir + "/seed-" + std::to_string(n++), std::ios::binary);
+        f << s;
+        if (!f) {
+          std::fprintf(stderr, "cannot write %s/seed-%d\n", dir.c_str(), n - 1);
+          return 1;
+        }
+      }
+      std::printf("%d seeds written to %s\n", n, dir.c_str());
+      return 0;
+    }
     else {
       std::ifstream f(a, std::ios::binary);
       std::stringstream ss;

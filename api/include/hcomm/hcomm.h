@@ -82,7 +82,7 @@ typedef struct hcomm_kv_store {
 typedef struct hcomm_config {
   size_t struct_size;       /* sizeof(hcomm_config_t) */
   hcomm_engine_t engine;
-  int bootstrap_timeout_ms; /* default 30000 */
+  int bootstrap_timeout_ms; /* default 30000; env HCOMM_BOOTSTRAP_TIMEOUT_MS (100..3600000) overrides it */
   const char* device;       /* NPU engine: "sim:N" or a PCI address; NULL = sim:<local rank> */
   int peer_check_ms;        /* how often progress polls peers for failure (default 1; env HCOMM_PEER_CHECK_MS);
                                a peer that exits fails its requests within about this long */

@@ -88,12 +88,7 @@ Status ShmTransport::connect(const Deadline& dl) {
     std::vector<UniqueFd> fds;
     HCOMM_TRY(recv_msg(_ctx.peer(r).sock.get(), &buf, &fds, dl, r));
     CtrlMsg m{};
-    const size_t want_fds = r < _rank ? 2 : 1;
-    if (buf.size() != sizeof m) return Status::error(Code::protocol_error, "rank %d: bad segment message", r);
-    std::memcpy(&m, buf.data(), sizeof m);
-    if (m.type != static_cast<uint32_t>(CtrlType::segments) || m.rank != r || fds.size() != want_fds)
-      return Status::error(Code::protocol_error, "rank %d: unexpected first message (type %u, %zu fds)", r, m.type,
-                           fds.size());
+    HCOMM_TRY(meshwire::parse_ctrl(buf, fds.size(), CtrlType::segments, r, r < _rank ? 2 : 1, 0, &m));
     p.pid = m.pid;
     void* ctrl = nullptr;
     HCOMM_TRY(map_fd(fds[0].get(), sizeof(CtrlSegment), &ctrl));
