@@ -244,32 +244,49 @@ Status IvshmemLink::dma_map(void* vaddr, uint64_t len, int fd, uint64_t fd_offse
                             uint64_t* bus_addr) {
   uint64_t bus = 0;
   HCOMM_TRY(_pci->dma_map(vaddr, len, fd, fd_offset, prot, &bus));
+  if (Status st = model_map(bus, len, prot); !st) {
+    (void)_pci->dma_unmap(bus, len);
+    return st;
+  }
+  *bus_addr = bus;
+  return Status::ok();
+}
+
+Status IvshmemLink::dma_map_segments(void* vaddr, uint64_t len, int fd, uint64_t fd_offset, uint32_t prot,
+                                     std::vector<DmaSegment>* out) {
+  std::vector<DmaSegment> segs;
+  HCOMM_TRY(_pci->dma_map_segments(vaddr, len, fd, fd_offset, prot, &segs));
+  for (size_t i = 0; i < segs.size(); ++i) {
+    if (Status st = model_map(segs[i].bus_addr, segs[i].len, prot); !st) {
+      for (size_t j = 0; j < i; ++j) (void)dma_unmap(segs[j].bus_addr, segs[j].len);
+      for (size_t j = i; j < segs.size(); ++j) (void)_pci->dma_unmap(segs[j].bus_addr, segs[j].len);
+      return st;
+    }
+  }
+  *out = std::move(segs);
+  return Status::ok();
+}
+
+Status IvshmemLink::model_map(uint64_t bus, uint64_t len, uint32_t prot) {
   const uint64_t start = bus & ~(kPage - 1);
   const uint64_t mlen = (bus + len + kPage - 1) / kPage * kPage - start;
   uint64_t range = start;
   auto it = _ranges.upper_bound(start);
   if (it != _ranges.begin() && std::prev(it)->first + std::prev(it)->second.len >= start + mlen) {
     auto& r = *std::prev(it);
-    if ((prot & ~r.second.prot) != 0) {
-      (void)_pci->dma_unmap(bus, len);
+    if ((prot & ~r.second.prot) != 0)
       return Status::error(Code::access_denied,
                            "ivshmem %s: [%#llx,+%#llx) is already mapped for the device with fewer rights (%#x, "
                            "asked %#x); the same physical memory has one set of rights",
                            location().c_str(), static_cast<unsigned long long>(start),
                            static_cast<unsigned long long>(mlen), r.second.prot, prot);
-    }
     ++r.second.refs;  // the model can already reach it
     range = r.first;
   } else {
-    Status st = call(iv::MailboxOp::dma_map, 0, start, 0, mlen, prot, nullptr);
-    if (!st) {
-      (void)_pci->dma_unmap(bus, len);
-      return st;
-    }
+    HCOMM_TRY(call(iv::MailboxOp::dma_map, 0, start, 0, mlen, prot, nullptr));
     _ranges[start] = DmaRange{mlen, 1, prot};
   }
   _views.emplace(bus, std::make_pair(range, len));
-  *bus_addr = bus;
   return Status::ok();
 }
 

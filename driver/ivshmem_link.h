@@ -62,6 +62,8 @@ class IvshmemLink final : public Link {
   Status dma_map(void* vaddr, uint64_t len, int fd, uint64_t fd_offset, uint32_t prot,
                  uint64_t* bus_addr) override;
   Status dma_unmap(uint64_t bus_addr, uint64_t len) override;
+  Status dma_map_segments(void* vaddr, uint64_t len, int fd, uint64_t fd_offset, uint32_t prot,
+                          std::vector<DmaSegment>* out) override;
   Status reset() override;
 
   const hal::abi::ivshmem::Header& header() const { return _hdr; }
@@ -72,6 +74,9 @@ class IvshmemLink final : public Link {
   Status call(hal::abi::ivshmem::MailboxOp op, uint32_t width, uint64_t offset, uint64_t value, uint64_t len,
               uint32_t prot, uint64_t* result);
 
+  // After the VFIO mapping of [bus, +len): tell the model (or count one more
+  // user of a range it can already reach).
+  Status model_map(uint64_t bus, uint64_t len, uint32_t prot);
   std::unique_ptr<Link> _pci;
   IvshmemOptions _opts;
   uint8_t* _shared = nullptr;

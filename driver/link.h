@@ -12,6 +12,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 
@@ -85,6 +86,24 @@ class Link {
   virtual Status dma_map(void* vaddr, uint64_t len, int fd, uint64_t fd_offset, uint32_t prot,
                          uint64_t* bus_addr) = 0;
   virtual Status dma_unmap(uint64_t bus_addr, uint64_t len) = 0;
+
+  // The same, for devices that can use a buffer in pieces (ABI 1.2
+  // cap::ATT_SPAN): *out gets one or more segments that together cover
+  // [vaddr, vaddr+len) in order; each is unmapped on its own with
+  // dma_unmap(seg.bus_addr, seg.len). Links whose bus addresses are
+  // physical (VFIO iova-mode=pa) split where the memory is not physically
+  // contiguous, so a buffer need not be; every other link maps one segment.
+  struct DmaSegment {
+    uint64_t bus_addr = 0;
+    uint64_t len = 0;
+  };
+  virtual Status dma_map_segments(void* vaddr, uint64_t len, int fd, uint64_t fd_offset, uint32_t prot,
+                                  std::vector<DmaSegment>* out) {
+    DmaSegment seg{0, len};
+    HCOMM_TRY(dma_map(vaddr, len, fd, fd_offset, prot, &seg.bus_addr));
+    out->assign(1, seg);
+    return Status::ok();
+  }
 
   // Function-level reset through the transport (VFIO_DEVICE_RESET /
   // VFIO_USER_DEVICE_RESET). The HAL prefers the CONTROL.RESET register.

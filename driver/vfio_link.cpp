@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -489,15 +490,15 @@ Status VfioLink::set_msix(uint32_t first_vector, std::span<const int> eventfds) 
   return Status::ok();
 }
 
-Status VfioLink::physical_address(const void* vaddr, uint64_t len, uint64_t* pa) {
+Status VfioLink::physical_runs(const void* vaddr, uint64_t len, std::vector<PhysRun>* runs) {
   // /proc/self/pagemap: one u64 per 4 KiB virtual page; bit 63 = present,
   // bits 0-54 = PFN (reads as 0 without CAP_SYS_ADMIN).
+  runs->clear();
   const int fd = _sys->open(_opts.pagemap_path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ERRNO_STATUS("vfio " + _addr + ": iova-mode=pa: open " + _opts.pagemap_path);
   const uint64_t first_page = reinterpret_cast<uintptr_t>(vaddr) / kPage;
   const uint64_t pages = len / kPage;
   uint64_t entries[512];
-  uint64_t base = 0;
   Status st;
   for (uint64_t done = 0; done < pages && st.is_ok();) {
     const uint64_t chunk = pages - done < 512 ? pages - done : 512;
@@ -528,21 +529,70 @@ Status VfioLink::physical_address(const void* vaddr, uint64_t len, uint64_t* pa)
                            _addr.c_str(), _opts.pagemap_path.c_str());
         break;
       }
-      if (done + i == 0) {
-        base = pfn * kPage;
-      } else if (pfn * kPage != base + at) {
-        st = Status::error(Code::invalid_argument,
-                           "vfio %s: iova-mode=pa: buffer is not physically contiguous at offset 0x%llx "
-                           "(use a hugepage DmaBuffer)",
-                           _addr.c_str(), static_cast<unsigned long long>(at));
-        break;
+      if (!runs->empty() && runs->back().pa + runs->back().len == pfn * kPage) {
+        runs->back().len += kPage;
+      } else {
+        runs->push_back({at, kPage, pfn * kPage});
       }
     }
     done += chunk;
   }
   _sys->close(fd);
-  if (st.is_ok()) *pa = base;
   return st;
+}
+
+Status VfioLink::physical_address(const void* vaddr, uint64_t len, uint64_t* pa) {
+  std::vector<PhysRun> runs;
+  HCOMM_TRY(physical_runs(vaddr, len, &runs));
+  if (runs.size() != 1)
+    return Status::error(Code::invalid_argument,
+                         "vfio %s: iova-mode=pa: buffer is not physically contiguous at offset 0x%llx "
+                         "(use a hugepage DmaBuffer, or a device with ATT_SPAN)",
+                         _addr.c_str(), static_cast<unsigned long long>(runs.size() > 1 ? runs[1].off : 0));
+  *pa = runs[0].pa;
+  return Status::ok();
+}
+
+// pagemap shows only pages present in this process's page tables: a buffer
+// mapped from another process's memfd may not be faulted in yet. Writable
+// memory is faulted for write: a read fault on untouched private memory
+// maps the shared zero page, whose address is no use.
+void VfioLink::populate(uintptr_t start, uint64_t mlen, bool w) {
+  if (::madvise(reinterpret_cast<void*>(start), mlen, w ? MADV_POPULATE_WRITE : MADV_POPULATE_READ) != 0) {
+    for (uint64_t off = 0; off < mlen; off += kPage) {
+      auto* b = reinterpret_cast<volatile uint8_t*>(start + off);
+      if (w) *b = *b;
+      else (void)*b;
+    }
+  }
+}
+
+Status VfioLink::dma_map_segments(void* vaddr, uint64_t len, int fd, uint64_t fd_offset, uint32_t prot,
+                                  std::vector<DmaSegment>* out) {
+  if (!_opts.iova_mode_pa || vaddr == nullptr || len == 0) return Link::dma_map_segments(vaddr, len, fd, fd_offset, prot, out);
+  const uintptr_t va = reinterpret_cast<uintptr_t>(vaddr);
+  if (len > UINTPTR_MAX - va - (kPage - 1))
+    return Status::error(Code::invalid_argument, "vfio %s: dma_map range wraps the address space", _addr.c_str());
+  const uintptr_t start = va & ~(kPage - 1);
+  const uint64_t mlen = (va + len + kPage - 1) / kPage * kPage - start;
+  populate(start, mlen, (prot & dma_prot::WRITE) != 0);
+  std::vector<PhysRun> runs;
+  HCOMM_TRY(physical_runs(reinterpret_cast<void*>(start), mlen, &runs));
+  // One mapping per physically contiguous run (each its own IOVA = PA).
+  out->clear();
+  for (const PhysRun& r : runs) {
+    const uintptr_t from = std::max<uintptr_t>(va, start + r.off);
+    const uintptr_t to = std::min<uintptr_t>(va + len, start + r.off + r.len);
+    DmaSegment seg{0, to - from};
+    Status st = dma_map(reinterpret_cast<void*>(from), seg.len, fd, fd_offset + (from - va), prot, &seg.bus_addr);
+    if (!st) {
+      for (const DmaSegment& d : *out) (void)dma_unmap(d.bus_addr, d.len);
+      out->clear();
+      return st;
+    }
+    out->push_back(seg);
+  }
+  return Status::ok();
 }
 
 Status VfioLink::iova_alloc(uint64_t len, uint64_t* iova) {
@@ -596,18 +646,7 @@ Status VfioLink::dma_map(void* vaddr, uint64_t len, int /*fd*/, uint64_t /*fd_of
   m.len = mlen;
   m.prot = prot;
   if (_opts.iova_mode_pa) {
-    // pagemap shows only pages present in this process's page tables: a
-    // buffer mapped from another process's memfd may not be faulted in yet.
-    // Writable memory is faulted for write: a read fault on untouched
-    // private memory maps the shared zero page, whose address is no use.
-    const bool w = (prot & dma_prot::WRITE) != 0;
-    if (::madvise(reinterpret_cast<void*>(start), mlen, w ? MADV_POPULATE_WRITE : MADV_POPULATE_READ) != 0) {
-      for (uint64_t off = 0; off < mlen; off += kPage) {
-        auto* b = reinterpret_cast<volatile uint8_t*>(start + off);
-        if (w) *b = *b;
-        else (void)*b;
-      }
-    }
+    populate(start, mlen, (prot & dma_prot::WRITE) != 0);
     HCOMM_TRY(physical_address(reinterpret_cast<void*>(start), mlen, &m.iova));
     for (auto& [key, o] : _mappings) {
       if (o.iova <= m.iova && m.iova + mlen <= o.iova + o.len) {  // already reachable: a view

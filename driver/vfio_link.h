@@ -91,6 +91,8 @@ class VfioLink final : public Link {
   Status dma_map(void* vaddr, uint64_t len, int fd, uint64_t fd_offset, uint32_t prot,
                  uint64_t* bus_addr) override;
   Status dma_unmap(uint64_t bus_addr, uint64_t len) override;
+  Status dma_map_segments(void* vaddr, uint64_t len, int fd, uint64_t fd_offset, uint32_t prot,
+                          std::vector<DmaSegment>* out) override;
   Status reset() override;
 
   // VFIO_TYPE1v2_IOMMU, VFIO_TYPE1_IOMMU or VFIO_NOIOMMU_IOMMU.
@@ -131,6 +133,13 @@ class VfioLink final : public Link {
   Status enable_bus_master();
   Status region_check(uint32_t region, uint64_t offset, size_t len, const Region** out) const;
   Status physical_address(const void* vaddr, uint64_t len, uint64_t* pa);
+  // iova-mode=pa: the physically contiguous runs of the page-aligned range
+  // [vaddr, +len): byte offset, length, physical address of each.
+  struct PhysRun {
+    uint64_t off = 0, len = 0, pa = 0;
+  };
+  Status physical_runs(const void* vaddr, uint64_t len, std::vector<PhysRun>* runs);
+  void populate(uintptr_t start, uint64_t mlen, bool write);
   Status iova_alloc(uint64_t len, uint64_t* iova);
   void iova_free(uint64_t iova, uint64_t len);
   Status issue_msix(uint32_t first, uint32_t count, const int* fds);

@@ -258,7 +258,7 @@ Status Device::bar0_read(uint64_t offset, void* data, size_t len) {
   }
   uint64_t caps = abi::cap::COPY | abi::cap::FILL | abi::cap::REDUCE | abi::cap::NOTIFY |
                   abi::cap::FP16 | abi::cap::BF16 | abi::cap::PEER_DMA | abi::cap::MSIX |
-                  abi::cap::WAKE_SUPPRESS | abi::cap::ATOMIC;
+                  abi::cap::WAKE_SUPPRESS | abi::cap::ATOMIC | abi::cap::ATT_SPAN;
   r64(reg::CAPS, caps);
   r64(reg::HBM_SIZE, _cfg.hbm_size);
   r64(reg::ERR_COUNT, _err_count.load(std::memory_order_relaxed));
@@ -455,6 +455,77 @@ Device::Xlate Device::translate(uint64_t iova, uint64_t len, bool write, bool sr
   }
   return {nullptr, fault};
 }
+
+Device::Span Device::translate_span(uint64_t iova, uint64_t len, bool write, bool src) const {
+  Span sp;
+  Xlate x = translate(iova, len, write, src);
+  if (x.ptr != nullptr) {
+    sp.one = {x.ptr, len};
+    return sp;
+  }
+  const CqStatus fault = src ? CqStatus::SRC_FAULT : CqStatus::DST_FAULT;
+  sp.status = x.status;
+  if (x.status != fault) return sp;  // held by one entry, refused there (rights, backing store)
+  // Not inside one entry: walk the entries it runs through. Each boundary
+  // must be 4 KiB-aligned, so an element of any dtype never straddles one.
+  uint64_t cur = iova, left = len;
+  while (left > 0) {
+    const AttEntry* hit = nullptr;
+    for (const AttEntry& e : _att)
+      if (e.valid && contained(cur, 1, e.iova, e.len)) {
+        hit = &e;
+        break;
+      }
+    if (hit == nullptr) return sp.many.clear(), sp;  // a hole: the operand faults
+    const uint64_t piece = std::min(left, hit->iova + hit->len - cur);
+    if (piece < left && (cur + piece) % 4096 != 0) return sp.many.clear(), sp;
+    Xlate p = translate(cur, piece, write, src);
+    if (p.ptr == nullptr) {
+      sp.many.clear();
+      sp.status = p.status;
+      return sp;
+    }
+    sp.many.push_back({p.ptr, piece});
+    cur += piece;
+    left -= piece;
+  }
+  if (sp.many.size() == 1) {
+    sp.one = sp.many[0];
+    sp.many.clear();
+  }
+  sp.status = CqStatus::OK;
+  return sp;
+}
+
+namespace {
+
+// Walks two spans of equal total length in step: fn(dst, src, n) for each
+// run that is contiguous on both sides.
+template <class Fn>
+void zip_pieces(const auto& t, const auto& s, Fn fn) {
+  size_t ti = 0, si = 0;
+  uint64_t toff = 0, soff = 0;
+  while (ti < t.count() && si < s.count()) {
+    const auto& tp = t.at(ti);
+    const auto& spc = s.at(si);
+    const uint64_t n = std::min(tp.len - toff, spc.len - soff);
+    fn(tp.ptr + toff, spc.ptr + soff, n);
+    toff += n;
+    soff += n;
+    if (toff == tp.len) ++ti, toff = 0;
+    if (soff == spc.len) ++si, soff = 0;
+  }
+}
+
+uint8_t* byte_at(const auto& span, uint64_t off) {
+  for (size_t i = 0; i < span.count(); ++i) {
+    if (off < span.at(i).len) return span.at(i).ptr + off;
+    off -= span.at(i).len;
+  }
+  return nullptr;
+}
+
+}  // namespace
 
 // ---- host DMA space --------------------------------------------------------------
 
@@ -679,14 +750,14 @@ CqStatus Device::execute(Queue& q, const abi::SqEntry& d, uint64_t* fault_addr) 
       return d.length == 0 ? CqStatus::OK : CqStatus::BAD_LENGTH;
     case Opcode::COPY: {
       if (d.length == 0) return CqStatus::BAD_LENGTH;
-      Xlate s = translate(d.src, d.length, false, true);
-      if (s.ptr == nullptr) return *fault_addr = d.src, s.status;
-      Xlate t = translate(d.dst, d.length, true, false);
-      if (t.ptr == nullptr) return *fault_addr = d.dst, t.status;
-      std::memmove(t.ptr, s.ptr, d.length);
+      Span s = translate_span(d.src, d.length, false, true);
+      if (!s.ok()) return *fault_addr = d.src, s.status;
+      Span t = translate_span(d.dst, d.length, true, false);
+      if (!t.ok()) return *fault_addr = d.dst, t.status;
+      zip_pieces(t, s, [](uint8_t* dst, const uint8_t* src, uint64_t n) { std::memmove(dst, src, n); });
       for (uint32_t n = _faults.corrupt_next.load(); n > 0;) {
         if (_faults.corrupt_next.compare_exchange_weak(n, n - 1)) {
-          t.ptr[d.length / 2] ^= 0x5a;  // silent corruption: status stays OK
+          *byte_at(t, d.length / 2) ^= 0x5a;  // silent corruption: status stays OK
           break;
         }
       }
@@ -694,17 +765,20 @@ CqStatus Device::execute(Queue& q, const abi::SqEntry& d, uint64_t* fault_addr) 
     }
     case Opcode::FILL: {
       if (d.length == 0) return CqStatus::BAD_LENGTH;
-      Xlate t = translate(d.dst, d.length, true, false);
-      if (t.ptr == nullptr) return *fault_addr = d.dst, t.status;
+      Span t = translate_span(d.dst, d.length, true, false);
+      if (!t.ok()) return *fault_addr = d.dst, t.status;
       uint8_t pat[8];
       std::memcpy(pat, &d.value, 8);
-      uint64_t i = 0;
-      if (d.value == 0) {
-        std::memset(t.ptr, 0, d.length);
-        return CqStatus::OK;
+      uint64_t at = 0;  // byte offset into the operand: the pattern's phase
+      for (size_t i = 0; i < t.count(); ++i) {
+        const Piece& p = t.at(i);
+        if (d.value == 0) {
+          std::memset(p.ptr, 0, p.len);
+        } else {
+          for (uint64_t k = 0; k < p.len; ++k) p.ptr[k] = pat[(at + k) % 8];
+        }
+        at += p.len;
       }
-      for (; i + 8 <= d.length; i += 8) std::memcpy(t.ptr + i, pat, 8);
-      for (uint64_t k = 0; i < d.length; ++i, ++k) t.ptr[i] = pat[k];
       return CqStatus::OK;
     }
     case Opcode::REDUCE: {
@@ -714,18 +788,21 @@ CqStatus Device::execute(Queue& q, const abi::SqEntry& d, uint64_t* fault_addr) 
       const uint32_t es = abi::dtype_size(dt);
       if (d.length == 0) return CqStatus::BAD_LENGTH;
       if (d.length % es != 0 || d.src % es != 0 || d.dst % es != 0) return CqStatus::BAD_ALIGN;
-      Xlate s = translate(d.src, d.length, false, true);
-      if (s.ptr == nullptr) return *fault_addr = d.src, s.status;
-      Xlate r = translate(d.dst, d.length, false, false);  // dst is read too
-      if (r.ptr == nullptr) return *fault_addr = d.dst, r.status == CqStatus::SRC_PERM ? CqStatus::DST_PERM : r.status;
-      Xlate t = translate(d.dst, d.length, true, false);
-      if (t.ptr == nullptr) return *fault_addr = d.dst, t.status;
+      Span s = translate_span(d.src, d.length, false, true);
+      if (!s.ok()) return *fault_addr = d.src, s.status;
+      Span r = translate_span(d.dst, d.length, false, false);  // dst is read too
+      if (!r.ok()) return *fault_addr = d.dst, r.status == CqStatus::SRC_PERM ? CqStatus::DST_PERM : r.status;
+      Span t = translate_span(d.dst, d.length, true, false);
+      if (!t.ok()) return *fault_addr = d.dst, t.status;
       {
         // Accumulates into one memory from several devices must not lose
         // updates: REDUCEs are serialised fabric-wide (silicon does this at
-        // the memory controller / with PCIe AtomicOps per element).
+        // the memory controller / with PCIe AtomicOps per element). Piece
+        // boundaries are 4 KiB-aligned, so every run holds whole elements.
         std::lock_guard lk(_fabric != nullptr ? _fabric->reduce_mutex() : _reduce_mu);
-        abi::reduce(dt, static_cast<abi::RedOp>(d.redop), t.ptr, s.ptr, d.length / es);
+        zip_pieces(t, s, [&](uint8_t* dst, const uint8_t* src, uint64_t n) {
+          abi::reduce(dt, static_cast<abi::RedOp>(d.redop), dst, src, n / es);
+        });
       }
       return CqStatus::OK;
     }

@@ -136,7 +136,24 @@ class Device {
     abi::CqStatus status = abi::CqStatus::OK;
   };
 
+  // A data operand translated piece by piece (§6.4, ABI 1.2): one piece
+  // when one entry holds it (no allocation), else one per entry it runs
+  // through, each boundary 4 KiB-aligned.
+  struct Piece {
+    uint8_t* ptr = nullptr;
+    uint64_t len = 0;
+  };
+  struct Span {
+    abi::CqStatus status = abi::CqStatus::OK;
+    Piece one;
+    std::vector<Piece> many;  // set instead of `one` when the operand crosses entries
+    bool ok() const { return status == abi::CqStatus::OK; }
+    size_t count() const { return many.empty() ? 1 : many.size(); }
+    const Piece& at(size_t i) const { return many.empty() ? one : many[i]; }
+  };
+
   Xlate translate(uint64_t iova, uint64_t len, bool write, bool src) const;  // holds _att_mu shared
+  Span translate_span(uint64_t iova, uint64_t len, bool write, bool src) const;  // holds _att_mu shared
   uint8_t* host_ptr(uint64_t bus_addr, uint64_t len, uint32_t need_prot) const;  // holds _dma_mu shared
   void att_command(uint32_t cmd);
   void queue_enable(uint32_t q, bool on);

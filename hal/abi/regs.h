@@ -26,7 +26,7 @@ inline constexpr uint32_t kPciClassCode = 0x120000;  // processing accelerator
 // ABI version: major in [31:16], minor in [15:0]. A driver accepts any device
 // with the same major and a minor >= the one it was built for.
 inline constexpr uint16_t kAbiMajor = 1;
-inline constexpr uint16_t kAbiMinor = 1;  // 1.1: FETCH_ADD / CMP_SWAP (cap::ATOMIC)
+inline constexpr uint16_t kAbiMinor = 2;  // 1.1: FETCH_ADD / CMP_SWAP (cap::ATOMIC); 1.2: cap::ATT_SPAN
 inline constexpr uint32_t abi_version(uint16_t major, uint16_t minor) {
   return (uint32_t{major} << 16) | minor;
 }
@@ -145,6 +145,7 @@ inline constexpr uint64_t PEER_DMA = 1u << 6; // ATT entries may target peer HBM
 inline constexpr uint64_t MSIX = 1u << 7;
 inline constexpr uint64_t WAKE_SUPPRESS = 1u << 8;  // QueueShadow::need_wakeup is maintained
 inline constexpr uint64_t ATOMIC = 1u << 9;         // FETCH_ADD / CMP_SWAP (ABI >= 1.1)
+inline constexpr uint64_t ATT_SPAN = 1u << 10;      // data operands may run through adjacent ATT entries (ABI >= 1.2, §6.4)
 }  // namespace cap
 
 namespace ctrl {  // CONTROL bits

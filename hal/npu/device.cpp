@@ -140,21 +140,47 @@ Status Device::map_host(void* ptr, uint64_t len, int fd, uint64_t fd_offset, uin
     return Status::error(Code::invalid_argument, "map_host: null pointer or zero length");
   HCOMM_TRY(check_rights(rights));
   std::lock_guard lk(_mu);
-  uint64_t bus = 0;
   uint32_t prot = ((rights & access::READ) ? driver::dma_prot::READ : 0) |
                   ((rights & access::WRITE) ? driver::dma_prot::WRITE : 0);
-  HCOMM_TRY(_link->dma_map(ptr, len, fd, fd_offset, prot, &bus));
+  std::vector<driver::Link::DmaSegment> segs(1);
+  segs[0].len = len;
+  if ((_info.caps & abi::cap::ATT_SPAN) != 0) HCOMM_TRY(_link->dma_map_segments(ptr, len, fd, fd_offset, prot, &segs));
+  else HCOMM_TRY(_link->dma_map(ptr, len, fd, fd_offset, prot, &segs[0].bus_addr));
   Mapping m;
-  m.iova = alloc_iova(len);
   m.len = len;
-  m.bus_addr = bus;
   m.host = true;
-  Status st = att_install(m.iova, len, bus, rights | abi::att::KIND_HOST, &m.att_index);
-  if (!st) {
-    (void)_link->dma_unmap(bus, len);
-    return st;
+  m.bus_addr = segs[0].bus_addr;
+  if (segs.size() == 1) {
+    m.iova = alloc_iova(len);
+    Status st = att_install(m.iova, len, m.bus_addr, rights | abi::att::KIND_HOST, &m.att_index);
+    if (!st) {
+      (void)_link->dma_unmap(m.bus_addr, len);
+      return st;
+    }
+    *out = m;
+    return Status::ok();
   }
-  *out = m;
+  // Several pieces: the device IOVA keeps the buffer's offset in its page,
+  // so every boundary between entries is 4 KiB-aligned (§6.4).
+  const uint64_t in_page = reinterpret_cast<uintptr_t>(ptr) & 0xfff;
+  m.iova = alloc_iova(len + in_page) + in_page;
+  uint64_t off = 0;
+  Status st;
+  for (const auto& seg : segs) {
+    Mapping::Piece p{UINT32_MAX, seg.bus_addr, seg.len};
+    st = att_install(m.iova + off, seg.len, seg.bus_addr, rights | abi::att::KIND_HOST, &p.att_index);
+    if (!st) break;
+    m.pieces.push_back(p);
+    off += seg.len;
+  }
+  if (!st) {
+    for (const auto& p : m.pieces) (void)att_clear(p.att_index);
+    for (const auto& seg : segs) (void)_link->dma_unmap(seg.bus_addr, seg.len);
+    return Status(st.code(), st.message() + " (mapping a buffer of " + std::to_string(len) + " bytes in " +
+                                 std::to_string(segs.size()) + " pieces)");
+  }
+  m.att_index = m.pieces[0].att_index;
+  *out = std::move(m);
   return Status::ok();
 }
 
@@ -194,7 +220,13 @@ Status Device::unmap(Mapping* m) {
   std::lock_guard lk(_mu);
   if (m->att_index >= _att_used.size() || !_att_used[m->att_index])
     return Status::error(Code::not_found, "unmap: ATT entry %u not in use", m->att_index);
-  // Clear the ATT entry first (the device stops using it), then the DMA map.
+  // Clear the ATT entries first (the device stops using them), then the DMA maps.
+  if (!m->pieces.empty()) {
+    for (const auto& p : m->pieces) HCOMM_TRY(att_clear(p.att_index));
+    for (const auto& p : m->pieces) HCOMM_TRY(_link->dma_unmap(p.bus_addr, p.len));
+    *m = Mapping{};
+    return Status::ok();
+  }
   HCOMM_TRY(att_clear(m->att_index));
   if (m->host) HCOMM_TRY(_link->dma_unmap(m->bus_addr, m->len));
   *m = Mapping{};

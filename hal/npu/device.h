@@ -56,9 +56,19 @@ inline constexpr uint32_t RW = READ | WRITE;
 struct Mapping {
   uint64_t iova = 0;
   uint64_t len = 0;
-  uint32_t att_index = UINT32_MAX;
+  uint32_t att_index = UINT32_MAX;  // the (first) ATT entry
   uint64_t bus_addr = 0;   // host mappings: the link's bus address (to dma_unmap)
   bool host = false;
+  // A host buffer the link mapped in several pieces (VFIO iova-mode=pa and
+  // memory that is not physically contiguous; needs cap::ATT_SPAN): one ATT
+  // entry per piece at adjacent device IOVAs, piece k at iova + the sum of
+  // the earlier lengths. Empty when one entry maps it all.
+  struct Piece {
+    uint32_t att_index = UINT32_MAX;
+    uint64_t bus_addr = 0;
+    uint64_t len = 0;
+  };
+  std::vector<Piece> pieces;
   bool valid() const { return att_index != UINT32_MAX; }
 };
 

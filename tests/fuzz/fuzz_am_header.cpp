@@ -26,6 +26,9 @@ namespace {
 // (ShmTransport kSlotSize, VerbsTransport::kSlot); 0 and 100 probe the bound.
 constexpr size_t kSlot = 4096;
 constexpr size_t kEagerMaxes[] = {kSlot - sizeof(MsgHdr), 100, 0};
+// The message types the protocol knows (eager, RTS, FIN, RETRACT).
+constexpr uint32_t kFirstType = static_cast<uint32_t>(MsgType::eager);
+constexpr uint32_t kLastType = static_cast<uint32_t>(MsgType::retract);
 
 uint64_t sink_sum;  // keeps the payload reads from being optimized away
 
@@ -59,6 +62,7 @@ std::vector<std::string> fuzz_seeds() {
       msg(MsgType::rts, 0, 1 << 20, 0),
       msg(MsgType::fin, 0, 0, 0),
       msg(MsgType::fin, 0, 0, 3),
+      msg(MsgType::retract, 0, 0, 0),
   };
 }
 
@@ -74,7 +78,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (body > 0) std::memcpy(rx.get(), data + sizeof h, body);
     std::string why;
     if (am_header_ok(h, body, eager_max, &why)) {
-      if (h.type < 1 || h.type > 3) std::abort();
+      if (h.type < kFirstType || h.type > kLastType) std::abort();
       if (eager && (h.len != body || h.len != h.total || h.len > eager_max)) std::abort();
       if (!eager && body != 0) std::abort();
       consume(h, rx.get());
@@ -89,7 +93,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::memcpy(&sh, slot.get(), sizeof sh);
     why.clear();
     if (am_header_ok(sh, kBodyInHeader, eager_max, &why)) {
-      if (sh.type < 1 || sh.type > 3) std::abort();
+      if (sh.type < kFirstType || sh.type > kLastType) std::abort();
       if (eager && (sh.len > eager_max || sh.len != sh.total)) std::abort();
       consume(sh, slot.get() + sizeof sh);
     } else if (why.empty()) {

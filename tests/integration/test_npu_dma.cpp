@@ -637,6 +637,82 @@ TEST_F(NpuDma, AttRejectsBadEntries) {
   EXPECT_TRUE(dev_->link().write32(reg::ATT_CMD, att_cmd::CLEAR));
 }
 
+// ABI 1.2 (cap::ATT_SPAN, §6.4): a data operand may run through adjacent
+// entries whose boundary is 4 KiB-aligned, translated piece by piece; a
+// boundary elsewhere, a hole or a piece without the right faults, nothing moved.
+TEST_F(NpuDma, OperandsRunThroughAdjacentAttEntries) {
+  if ((dev_->info().caps & abi::cap::ATT_SPAN) == 0) GTEST_SKIP() << "device without ATT_SPAN";
+  driver::Link& l = dev_->link();
+  const uint32_t last = dev_->info().num_att - 1;  // the HAL allocates from 0 up
+  auto att = [&](uint32_t index, uint64_t iova, uint64_t len, uint64_t target, uint32_t flags) {
+    EXPECT_TRUE(l.write32(abi::reg::ATT_INDEX, index));
+    EXPECT_TRUE(l.write64(abi::reg::ATT_IOVA, iova));
+    EXPECT_TRUE(l.write64(abi::reg::ATT_LEN, len));
+    EXPECT_TRUE(l.write64(abi::reg::ATT_TARGET, target));
+    EXPECT_TRUE(l.write32(abi::reg::ATT_FLAGS, flags));
+    EXPECT_TRUE(l.write32(abi::reg::ATT_CMD, abi::att_cmd::WRITE));
+    uint32_t st = 99;
+    EXPECT_TRUE(l.read32(abi::reg::ATT_STATUS, &st));
+    EXPECT_EQ(st, abi::att_status::OK);
+  };
+  using namespace abi;
+  const uint32_t rw = att::READ | att::WRITE | att::KIND_HBM;
+  // X: two 8 KiB entries over HBM pieces far apart.
+  const uint64_t X = uint64_t{1} << 44, A = 0x10000, B = 0x40000;
+  att(last, X, 8192, A, rw);
+  att(last - 1, X + 8192, 8192, B, rw);
+  // Y: a boundary that is not 4 KiB-aligned. Z: a hole. W: the second piece read-only.
+  const uint64_t Y = X + (1ull << 30), Z = Y + (1ull << 30), W = Z + (1ull << 30);
+  att(last - 2, Y, 6000, 0x80000, rw);
+  att(last - 3, Y + 6000, 6000, 0x90000, rw);
+  att(last - 4, Z, 4096, 0xa0000, rw);
+  att(last - 5, Z + 8192, 4096, 0xa2000, rw);
+  att(last - 6, W, 4096, 0xb0000, rw);
+  att(last - 7, W + 4096, 4096, 0xb1000, att::READ | att::KIND_HBM);
+  constexpr uint8_t F = abi::desc_flag::FENCE;  // each waits for the one before
+  uint64_t src_iova = 0, dst_iova = 0;
+  constexpr size_t kLen = 8192;
+  uint8_t* src = host(kLen, &src_iova);
+  uint8_t* dst = host(kLen, &dst_iova);
+  for (size_t i = 0; i < kLen; ++i) src[i] = static_cast<uint8_t>(i * 13 + 5);
+  // COPY host -> X+4096 (4 KiB in A's second page, 4 KiB in B's first) and back.
+  ASSERT_EQ(q_->copy(src_iova, X + 4096, kLen, 1), Code::ok);
+  ASSERT_EQ(q_->copy(X + 4096, dst_iova, kLen, 2, F), Code::ok);
+  run_all_ok();
+  EXPECT_EQ(std::memcmp(dst, src, kLen), 0);
+  EXPECT_EQ(std::memcmp(dev_->hbm() + A + 4096, src, 4096), 0) << "first half in piece A";
+  EXPECT_EQ(std::memcmp(dev_->hbm() + B, src + 4096, 4096), 0) << "second half in piece B";
+  // FILL across the boundary keeps the pattern's phase.
+  ASSERT_EQ(q_->fill(X + 8192 - 5, 11, 0x0807060504030201ull, 3), Code::ok);
+  run_all_ok();
+  for (size_t i = 0; i < 5; ++i) EXPECT_EQ(dev_->hbm()[A + 8192 - 5 + i], 1 + i) << i;
+  for (size_t i = 5; i < 11; ++i) EXPECT_EQ(dev_->hbm()[B + i - 5], 1 + i % 8) << i;
+  // REDUCE (fp32 sum) across it.
+  auto* f = reinterpret_cast<float*>(src);
+  for (size_t i = 0; i < kLen / 4; ++i) f[i] = 1.5f;
+  ASSERT_EQ(q_->copy(src_iova, X + 4096, kLen, 4), Code::ok);
+  ASSERT_EQ(q_->reduce(src_iova, X + 4096, kLen, DType::FP32, RedOp::SUM, 5, F), Code::ok);
+  ASSERT_EQ(q_->copy(X + 4096, dst_iova, kLen, 6, F), Code::ok);
+  run_all_ok();
+  auto* g = reinterpret_cast<const float*>(dst);
+  for (size_t i = 0; i < kLen / 4; ++i) ASSERT_EQ(g[i], 3.0f) << i;
+  // Refused, nothing moved.
+  std::memset(dev_->hbm() + 0x80000, 0xee, 0x20000);
+  ASSERT_EQ(q_->copy(src_iova, Y + 4000, 4000, 7), Code::ok);
+  EXPECT_EQ(run_one(), CqStatus::DST_FAULT) << "a boundary that is not 4 KiB-aligned";
+  ASSERT_EQ(q_->copy(Z + 2048, dst_iova, 4096, 8), Code::ok);
+  EXPECT_EQ(run_one(), CqStatus::SRC_FAULT) << "a hole between the entries";
+  ASSERT_EQ(q_->copy(src_iova, W + 2048, 4096, 9), Code::ok);
+  EXPECT_EQ(run_one(), CqStatus::DST_PERM) << "the second piece is read-only";
+  for (size_t i = 0; i < 0x20000; ++i) ASSERT_EQ(dev_->hbm()[0x80000 + i], 0xee) << "moved by a refused descriptor";
+  ASSERT_EQ(q_->copy(W + 2048, dst_iova, 4096, 10), Code::ok);
+  EXPECT_EQ(run_one(), CqStatus::OK) << "reading through it is allowed";
+  for (uint32_t i = last - 7; i <= last; ++i) {
+    EXPECT_TRUE(l.write32(reg::ATT_INDEX, i));
+    EXPECT_TRUE(l.write32(reg::ATT_CMD, att_cmd::CLEAR));
+  }
+}
+
 TEST_F(NpuDma, QueueEnableRefusesBadConfig) {
   driver::Link& l = dev_->link();
   const uint32_t qi = dev_->info().num_queues - 1;  // not handed out by the HAL here

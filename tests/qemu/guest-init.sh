@@ -73,9 +73,8 @@ run probe-selftest-1 60 hcomm-probe selftest "$2"
 HCOMM_TEST_DEVICES="$1,$2" gtest bad-descriptors 60 integration_npu_dma --gtest_color=no \
   --gtest_filter='*EveryMalformedDescriptor*:*RandomDescriptorsNeverTouchUnmappedMemory*:*AttRejectsBadEntries*'
 HCOMM_TEST_DEVICES="$1,$2" gtest npu-conformance 120 integration_npu_dma --gtest_color=no --gtest_filter="${gtest_filter:-*}"
-# The API conformance suite, NPU engine, two ranks on the two functions.
-# Left out: the two cases with host buffers over 2 MiB. In iova-mode=pa a
-# mapped buffer must be physically contiguous and hugetlb only guarantees
-# that within one 2 MiB page (docs/device-abi.md §11.3).
-HCOMM_TEST_DEVICES="$1,$2" gtest api-conformance 120 integration_api_conformance --gtest_color=no \
-  --gtest_filter="${api_filter:-*npu_2ranks*-*SendRecvFromRegisteredMemoryMovesThroughTheEngine*:*PutGetEverySize*}"
+# The API conformance suite, NPU engine, two ranks on the two functions: every
+# case, buffers over 2 MiB included (iova-mode=pa maps a buffer that is not
+# physically contiguous in pieces, one ATT entry each: ABI 1.2 ATT_SPAN).
+HCOMM_TEST_DEVICES="$1,$2" gtest api-conformance 180 integration_api_conformance --gtest_color=no \
+  --gtest_filter="${api_filter:-*npu_2ranks*}"

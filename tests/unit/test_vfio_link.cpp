@@ -647,6 +647,36 @@ TEST_F(VfioLinkTest, IovaModePaUsesPagemap) {
   EXPECT_EQ(kernel.open_fds.count(kPagemapFd), 0u);
 }
 
+TEST_F(VfioLinkTest, IovaModePaMapsMemoryThatIsNotContiguousInSegments) {
+  VfioOptions o = options();
+  o.iova_mode_pa = true;
+  ASSERT_TRUE(open(o).is_ok());
+  alignas(4096) static uint8_t buf[4 * 4096];
+  const uint64_t vpn = reinterpret_cast<uintptr_t>(buf) / 4096;
+  const uint64_t present = uint64_t{1} << 63;
+  // Pages 0-1 contiguous, page 2 elsewhere, page 3 right after page 2.
+  kernel.pagemap[vpn + 0] = present | 0x1000;
+  kernel.pagemap[vpn + 1] = present | 0x1001;
+  kernel.pagemap[vpn + 2] = present | 0x5000;
+  kernel.pagemap[vpn + 3] = present | 0x5001;
+  std::vector<Link::DmaSegment> segs;
+  ASSERT_TRUE(link->dma_map_segments(buf + 100, 4 * 4096 - 200, -1, 0, dma_prot::READ, &segs).is_ok());
+  ASSERT_EQ(segs.size(), 2u);
+  EXPECT_EQ(segs[0].bus_addr, 0x1000u * 4096 + 100);
+  EXPECT_EQ(segs[0].len, 2u * 4096 - 100);
+  EXPECT_EQ(segs[1].bus_addr, 0x5000u * 4096);
+  EXPECT_EQ(segs[1].len, 2u * 4096 - 100);
+  ASSERT_EQ(kernel.maps.size(), 2u);
+  EXPECT_EQ(kernel.maps[0].iova, 0x1000u * 4096);
+  EXPECT_EQ(kernel.maps[1].iova, 0x5000u * 4096);
+  for (const auto& sg : segs) ASSERT_TRUE(link->dma_unmap(sg.bus_addr, sg.len).is_ok());
+  EXPECT_EQ(kernel.unmaps.size(), 2u);
+  // A page that is not present: refused before anything is mapped.
+  kernel.pagemap.erase(vpn + 3);
+  EXPECT_FALSE(link->dma_map_segments(buf, 4 * 4096, -1, 0, dma_prot::READ, &segs).is_ok());
+  EXPECT_EQ(kernel.maps.size(), 2u);
+}
+
 TEST_F(VfioLinkTest, NoIommuGroupNeedsPaModeAndSkipsMapDma) {
   kernel.normal_group = false;
   kernel.noiommu_group = true;
