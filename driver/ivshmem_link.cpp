@@ -69,6 +69,10 @@ Status IvshmemLink::init() {
   _kick.fixed = true;
   _kick.fixed_value = iv::doorbell_value(_hdr.sim_peer, _hdr.mailbox_vector);
   _mb = reinterpret_cast<iv::Mailbox*>(_shared + iv::kMailboxOffset);
+  _live = reinterpret_cast<const iv::Liveness*>(_shared + iv::kLivenessOffset);
+  _resets_at_open = __atomic_load_n(&_live->resets, __ATOMIC_ACQUIRE);
+  _last_heartbeat = __atomic_load_n(&_live->heartbeat, __ATOMIC_ACQUIRE);
+  _heartbeat_seen = std::chrono::steady_clock::now();
   // A previous driver instance may have died mid-request: let the model
   // finish it before this one writes the mailbox.
   Deadline dl = Deadline::after_ms(_opts.mailbox_timeout_ms);
@@ -307,6 +311,29 @@ Status IvshmemLink::dma_unmap(uint64_t bus_addr, uint64_t len) {
   }
   _views.erase(v);
   return _pci->dma_unmap(bus_addr, len);
+}
+
+Status IvshmemLink::health() {
+  if (_live == nullptr) return Status::error(Code::closed, "ivshmem %s: not open", location().c_str());
+  std::lock_guard lk(_health_mu);
+  const auto now = std::chrono::steady_clock::now();
+  const uint64_t hb = __atomic_load_n(&_live->heartbeat, __ATOMIC_ACQUIRE);
+  if (hb != _last_heartbeat) {
+    _last_heartbeat = hb;
+    _heartbeat_seen = now;
+  } else if (now - _heartbeat_seen > std::chrono::milliseconds(iv::kHeartbeatStaleMs)) {
+    return Status::error(Code::device_error,
+                         "ivshmem %s: hcomm-sim stopped serving the function (no heartbeat for %lld ms: killed or "
+                         "stopped?)",
+                         location().c_str(),
+                         static_cast<long long>(
+                             std::chrono::duration_cast<std::chrono::milliseconds>(now - _heartbeat_seen).count()));
+  }
+  if (__atomic_load_n(&_live->resets, __ATOMIC_ACQUIRE) != _resets_at_open)
+    return Status::error(Code::device_error,
+                         "ivshmem %s: the device reset itself: its queues and address translations are gone",
+                         location().c_str());
+  return Status::ok();
 }
 
 Status IvshmemLink::reset() { return call(iv::MailboxOp::reset, 0, 0, 0, 0, 0, nullptr); }

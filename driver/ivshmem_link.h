@@ -25,6 +25,7 @@
 // mailbox additionally takes a lock so concurrent register access is safe.
 #pragma once
 
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -62,6 +63,11 @@ class IvshmemLink final : public Link {
   Status dma_map(void* vaddr, uint64_t len, int fd, uint64_t fd_offset, uint32_t prot,
                  uint64_t* bus_addr) override;
   Status dma_unmap(uint64_t bus_addr, uint64_t len) override;
+  // The model's heartbeat has not moved for iv::kHeartbeatStaleMs (hcomm-sim
+  // killed or stopped), or the device reset itself since this link opened:
+  // device_error. No round trip: two loads from the shared page.
+  Status health() override;
+  bool cheap_register_reads() const override { return false; }
   Status dma_map_segments(void* vaddr, uint64_t len, int fd, uint64_t fd_offset, uint32_t prot,
                           std::vector<DmaSegment>* out) override;
   Status reset() override;
@@ -78,6 +84,11 @@ class IvshmemLink final : public Link {
   // user of a range it can already reach).
   Status model_map(uint64_t bus, uint64_t len, uint32_t prot);
   std::unique_ptr<Link> _pci;
+  const hal::abi::ivshmem::Liveness* _live = nullptr;
+  uint64_t _resets_at_open = 0;
+  std::mutex _health_mu;
+  uint64_t _last_heartbeat = 0;
+  std::chrono::steady_clock::time_point _heartbeat_seen;
   IvshmemOptions _opts;
   uint8_t* _shared = nullptr;
   uint64_t _shared_size = 0;

@@ -114,6 +114,13 @@ class Link {
   // every peer_check_ms, so that work on a vanished device fails instead of
   // waiting for completions that will never come.
   virtual Status health() { return Status::ok(); }
+
+  // Whether a register read is cheap enough to poll now and then (an MMIO
+  // load, or one vfio-user round trip): the HAL then also reads STATUS to
+  // notice a device that was reset under it (hal::npu::Device::health).
+  // Links whose reads are slow or may block (ivshmem's mailbox) say no and
+  // report resets through health().
+  virtual bool cheap_register_reads() const { return true; }
 };
 
 }  // namespace hcomm::driver

@@ -22,10 +22,14 @@ std::string control_command(Fabric& fabric, const std::string& line) {
   if (cmd == "ping") return "ok";
   long long dev = -1;
   if (!(in >> dev) || dev < 0 || static_cast<unsigned long long>(dev) >= fabric.size())
-    return "error: usage: fail|corrupt|stall|clear|stats DEV [N]; DEV must be 0.." +
+    return "error: usage: fail|corrupt|stall|clear|stats|reset DEV [N]; DEV must be 0.." +
            std::to_string(fabric.size() == 0 ? 0 : fabric.size() - 1);
   Device& d = *fabric.device(static_cast<uint32_t>(dev));
   FaultState& f = d.faults();
+  if (cmd == "reset") {
+    d.self_reset();
+    return "ok";
+  }
   if (cmd == "clear") {
     f.fail_next = 0;
     f.corrupt_next = 0;

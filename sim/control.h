@@ -5,6 +5,7 @@
 //   corrupt DEV N   next N COPYs on DEV flip one byte of the destination (status OK)
 //   stall DEV MS    DEV's engines take no descriptor for MS milliseconds
 //   clear DEV       cancel all of the above
+//   reset DEV       the device resets itself (queues stop, ATT cleared, CONTROL.ENABLE = 0)
 //   stats DEV       "ok completed=N errors=N"
 //   ping            "ok"
 // Each request is one line; each reply is one line starting "ok" or "error".

@@ -705,6 +705,11 @@ void Device::reset() {
   _completed.store(0);
 }
 
+void Device::self_reset() {
+  reset();
+  _self_resets.fetch_add(1, std::memory_order_acq_rel);
+}
+
 void Device::client_gone() {
   reset();
   {

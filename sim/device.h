@@ -109,10 +109,16 @@ class Device {
   // registers to defaults. DMA mappings and MSI-X fds stay (they belong to the
   // transport); client_gone() drops those too.
   void reset();
+  // The device resets itself, as after an internal fault (hcomm-sim's
+  // control "reset"): reset() and one more in self_resets(), which the
+  // ivshmem front publishes; a driver sees STATUS without ENABLED.
+  void self_reset();
+  uint64_t self_resets() const { return _self_resets.load(std::memory_order_acquire); }
   // The front's client vanished: reset and drop everything it gave us.
   void client_gone();
 
   FaultState& faults() { return _faults; }
+
 
   // Counters for probe/info and tests.
   uint64_t completed() const { return _completed.load(std::memory_order_relaxed); }
@@ -194,6 +200,7 @@ class Device {
 
   std::vector<std::unique_ptr<Queue>> _queues;
   FaultState _faults;
+  std::atomic<uint64_t> _self_resets{0};
   std::mutex _reduce_mu;  // REDUCE serialisation when there is no fabric
 };
 

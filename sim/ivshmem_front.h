@@ -74,6 +74,7 @@ class IvshmemFront : public SocketFront {
   Device& _dev;
   IvshmemFrontOptions _opts;
   hal::abi::ivshmem::Mailbox* _mb = nullptr;
+  hal::abi::ivshmem::Liveness* _live = nullptr;  // heartbeat and self-resets, for the guest's driver
 
   UniqueFd _mailbox_efd;
   std::atomic<uint64_t> _clients_served{0};

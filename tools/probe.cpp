@@ -92,7 +92,7 @@ std::string caps_string(uint64_t caps) {
       {abi::cap::COPY, "copy"},         {abi::cap::FILL, "fill"},   {abi::cap::REDUCE, "reduce"},
       {abi::cap::NOTIFY, "notify"},     {abi::cap::FP16, "fp16"},   {abi::cap::BF16, "bf16"},
       {abi::cap::PEER_DMA, "peer_dma"}, {abi::cap::MSIX, "msix"},   {abi::cap::WAKE_SUPPRESS, "wake_suppress"},
-      {abi::cap::ATOMIC, "atomic"}};
+      {abi::cap::ATOMIC, "atomic"},     {abi::cap::ATT_SPAN, "att_span"}};
   std::string s;
   for (auto& [bit, n] : names)
     if (caps & bit) {  // (not `"," + std::string(n)`: GCC 12 -O3 warns -Wrestrict on it)

@@ -74,7 +74,7 @@ inline constexpr uint64_t shared_size_for(uint64_t hbm_size) {
 }
 
 inline constexpr uint64_t kMagic = 0x3156494d4d4f4348ull;  // "HCOMMIV1"
-inline constexpr uint32_t kLayoutVersion = 1;
+inline constexpr uint32_t kLayoutVersion = 2;  // 2: Liveness
 
 struct Header {  // written once by the sim before the guest can see it; never read back
   uint64_t magic;
@@ -120,5 +120,20 @@ struct Mailbox {
 };
 static_assert(sizeof(Mailbox) == 48 + kMailboxMessageLen);
 static_assert(kMailboxOffset + sizeof(Mailbox) <= kHbmOffset);
+
+// Liveness (layout 2), written by the sim only and read by the driver
+// without a round trip (IvshmemLink::health, polled every peer_check_ms):
+// a guest cannot otherwise tell that the model behind the function is gone,
+// since QEMU keeps the function and its memory.
+struct Liveness {
+  uint64_t heartbeat;  // bumped at least every kHeartbeatMs while the sim serves a guest
+  uint64_t resets;     // resets the device did on its own (hcomm-sim's control "reset"), not the driver's
+};
+inline constexpr uint64_t kLivenessOffset = kMailboxOffset + 0x800;
+inline constexpr uint32_t kHeartbeatMs = 50;
+// The driver declares the device gone when the heartbeat has not moved for this long.
+inline constexpr uint32_t kHeartbeatStaleMs = 500;
+static_assert(kMailboxOffset + sizeof(Mailbox) <= kLivenessOffset);
+static_assert(kLivenessOffset + sizeof(Liveness) <= kHbmOffset);
 
 }  // namespace hcomm::hal::abi::ivshmem

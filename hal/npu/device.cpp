@@ -215,6 +215,27 @@ Status Device::map_peer_hbm(uint32_t peer, uint64_t offset, uint64_t len, uint32
   return Status::ok();
 }
 
+Status Device::health(bool force) {
+  HCOMM_TRY(_link->health());
+  if (!_link->cheap_register_reads()) return Status::ok();
+  {
+    std::lock_guard lk(_health_mu);
+    const auto now = std::chrono::steady_clock::now();
+    if (!force && now - _status_checked < std::chrono::milliseconds(kStatusCheckMs)) return Status::ok();
+    _status_checked = now;
+  }
+  uint32_t st = 0;
+  if (Status r = _link->read32(reg::STATUS, &st); !r)
+    return Status::error(Code::device_error, "reading STATUS failed: %s", r.message().c_str());
+  if (st == 0xffffffffu)
+    return Status::error(Code::device_error, "registers read as all ones (removed from the bus, or in reset)");
+  if ((st & abi::status::FATAL) != 0) return Status::error(Code::device_error, "the device reports FATAL");
+  if ((st & abi::status::ENABLED) == 0)
+    return Status::error(Code::device_error,
+                         "the device was reset (STATUS without ENABLED): its queues and address translations are gone");
+  return Status::ok();
+}
+
 Status Device::unmap(Mapping* m) {
   if (m == nullptr || !m->valid()) return Status::error(Code::invalid_argument, "unmap: not a valid mapping");
   std::lock_guard lk(_mu);

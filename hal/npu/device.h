@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -101,6 +102,17 @@ class Device {
   Status map_peer_hbm(uint32_t peer, uint64_t offset, uint64_t len, uint32_t rights, Mapping* out);
   Status unmap(Mapping* m);
 
+  // Whether the device still serves this driver, without blocking long
+  // (polled every peer_check_ms by the NPU transport): the link's own check
+  // (vfio-user server hung up, ivshmem model gone or reset) on every call
+  // and, where register reads are cheap, STATUS at most every
+  // kStatusCheckMs: all ones (gone from the bus), FATAL, or ENABLED cleared
+  // (the device was reset under us: its queues and translations are gone)
+  // is device_error.
+  // force: read STATUS now (after an ABORTED completion, say).
+  static constexpr int kStatusCheckMs = 50;
+  Status health(bool force = false);
+
   // A DMA queue with 1 << log2 entries. `interrupts`: completions signal an
   // MSI-X eventfd the queue waits on (else wait() polls).
   Status create_queue(uint32_t log2, bool interrupts, std::unique_ptr<DmaQueue>* out);
@@ -128,6 +140,8 @@ class Device {
   std::vector<bool> _att_used;
   std::vector<bool> _queue_used;
   uint64_t _next_iova = 1ull << 32;  // never 0; 4 KiB aligned
+  std::mutex _health_mu;
+  std::chrono::steady_clock::time_point _status_checked{};
 };
 
 }  // namespace hcomm::hal::npu

@@ -704,7 +704,13 @@ TEST(Verbs, MemlockTooLowIsNamedAtInit) {
 
 // ---- device loss: the simulator (the device's vfio-user server) is killed mid-job ----
 
-TEST(DeviceLoss, KilledSimulatorFailsPendingAndLaterOperationsWithDeviceError) {
+// The device goes away under a pending put (its engine stalled so the put
+// stays pending) by `how` ("kill": hcomm-sim is SIGKILLed; "reset": the
+// device resets itself, hcomm-sim's control "reset"): the pending put and
+// every later operation fail with HCOMM_ERR_DEVICE, the message naming the
+// device and `why`, within 1 s (peer_check_ms is 1 here; the STATUS poll
+// adds at most hal::npu::Device::kStatusCheckMs).
+void device_loss(const std::string& how, const char* why) {
   test::SimProcess sim;
   ASSERT_EQ(sim.start({"--devices", "2", "--hbm", "16M"}), "");
   const pid_t sim_pid = sim.pid();
@@ -731,15 +737,17 @@ TEST(DeviceLoss, KilledSimulatorFailsPendingAndLaterOperationsWithDeviceError) {
     hcomm_request_t* q = nullptr;
     RCHECK_OK(hcomm_iput(ctx, lp, s, k, 0, &q));
     RCHECK_OK(hcomm_barrier(ctx, T));
-    if (rank == 0) ::kill(sim_pid, SIGKILL);
+    if (how == "kill") {
+      if (rank == 0) ::kill(sim_pid, SIGKILL);
+    } else {
+      RCHECK(sim.control("reset " + std::to_string(rank)) == "ok");
+    }
     const auto t0 = std::chrono::steady_clock::now();
     RCHECK_EQ_STATUS(hcomm_wait(q, T), HCOMM_ERR_DEVICE);
     const auto ms =
         std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
-    RCHECK(std::strstr(hcomm_last_error(), "NPU device") != nullptr &&
-           std::strstr(hcomm_last_error(), "hung up") != nullptr)
+    RCHECK(std::strstr(hcomm_last_error(), "NPU device") != nullptr && std::strstr(hcomm_last_error(), why) != nullptr)
         << hcomm_last_error();
-    // peer_check_ms is 1 here; the bound is 1 s (the reap of a killed process included)
     RCHECK(ms < 1000) << "the pending put failed only after " << ms << " ms";
     hcomm_request_free(q);
     RCHECK_EQ_STATUS(hcomm_put(ctx, lp, s, k, 0, T), HCOMM_ERR_DEVICE) << "later operations fail at once";
@@ -748,6 +756,12 @@ TEST(DeviceLoss, KilledSimulatorFailsPendingAndLaterOperationsWithDeviceError) {
     (void)hcomm_finalize(ctx);  // reports the lost device; must not hang
   }, 60);
   EXPECT_EQ(err, "");
+}
+
+TEST(DeviceLoss, KilledSimulatorFailsPendingAndLaterOperationsWithDeviceError) { device_loss("kill", "hung up"); }
+
+TEST(DeviceLoss, DeviceResetUnderTheDriverFailsPendingAndLaterOperationsWithDeviceError) {
+  device_loss("reset", "was reset");
 }
 
 }  // namespace hcomm

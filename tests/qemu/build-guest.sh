@@ -80,6 +80,8 @@ bins=(
   "$build/tools/hcomm-probe"
   "$build/tests/integration_npu_dma"
   "$build/tests/integration_api_conformance"
+  "$build/tools/hcomm-run"
+  "$build/tests/chaos_rank"
 )
 for b in "${bins[@]}"; do
   [ -x "$b" ] || { echo "build-guest: $b not built" >&2; exit 2; }

@@ -78,3 +78,15 @@ HCOMM_TEST_DEVICES="$1,$2" gtest npu-conformance 120 integration_npu_dma --gtest
 # physically contiguous in pieces, one ATT entry each: ABI 1.2 ATT_SPAN).
 HCOMM_TEST_DEVICES="$1,$2" gtest api-conformance 180 integration_api_conformance --gtest_color=no \
   --gtest_filter="${api_filter:-*npu_2ranks*}"
+# Last (it ends the model): device loss. Two ranks move data through the two
+# functions until the host, seeing HCOMM-RUNNING, SIGKILLs hcomm-sim; both
+# must end on their own with a device error naming the stopped model (or a
+# peer failure, when the other rank's exit is seen first), within 60 s here
+# (run-guest.sh checks the time from the kill).
+echo "hcomm guest: == device-loss"
+{ HCOMM_ENGINE=npu HCOMM_DEVICE="$1,$2" timeout 60 hcomm-run -n 2 -- chaos_rank --rounds 1000000 --announce
+  echo $? > /tmp/loss.rc; } 2>&1 | tee /tmp/loss.out
+rc=$(cat /tmp/loss.rc)
+# hcomm-run gives the worst status: 11 device error (10 peer failure only if no rank saw the device go).
+[ $rc -eq 11 ] && grep -q "no heartbeat" /tmp/loss.out
+result device-loss $?

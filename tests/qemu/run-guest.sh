@@ -2,8 +2,9 @@
 # The `qemu` test: hcomm-sim serves two NPUs over its ivshmem front, a QEMU
 # guest (TCG, q35, emulated intel-iommu) binds them to vfio-pci and runs
 # hcomm-probe and the NPU conformance suite through the real VFIO driver
-# (tests/qemu/guest-init.sh). Fails on any failed guest check, on a missing
-# one, and when the whole run passes its time bound.
+# (tests/qemu/guest-init.sh), and last kills hcomm-sim under two running
+# ranks (device loss). Fails on any failed guest check, on a missing one,
+# and when the whole run passes its time bound.
 #
 #   tests/qemu/run-guest.sh BUILD_DIR [GUEST_DIR]
 #
@@ -54,6 +55,22 @@ timeout -k 5 "$limit" qemu-system-x86_64 \
   -append "console=ttyS0 intel_iommu=on iommu=pt panic=-1 oops=panic quiet loglevel=4 ${HCOMM_QEMU_APPEND:-}" \
   -display none -monitor none -serial file:"$run/console.log" -no-reboot ${HCOMM_QEMU_ARGS:-} &
 qemu_pid=$!
+# Device loss (the guest's last check): when a rank says HCOMM-RUNNING,
+# SIGKILL hcomm-sim and time how long until a rank reports the loss.
+(
+  until grep -q 'HCOMM-RUNNING' "$run/console.log" 2>/dev/null; do
+    kill -0 "$qemu_pid" 2>/dev/null || exit 0
+    sleep 0.05
+  done
+  kill -9 "$sim_pid"
+  t0=$(date +%s%N)
+  until grep -q 'chaos_rank [0-9]*: hcomm_' "$run/console.log" 2>/dev/null; do
+    kill -0 "$qemu_pid" 2>/dev/null || exit 0
+    sleep 0.02
+  done
+  echo $(( ($(date +%s%N) - t0) / 1000000 )) > "$run/loss-ms"
+) &
+watch_pid=$!
 set +e
 wait "$qemu_pid"
 qrc=$?
@@ -74,9 +91,20 @@ elif [ $qrc -ne 0 ]; then
   echo "FAIL: qemu exited with status $qrc"
   fail=1
 fi
-kill -0 "$sim_pid" 2>/dev/null || { echo "FAIL: hcomm-sim died during the run"; fail=1; }
+wait "$watch_pid" 2>/dev/null
+# hcomm-sim is killed on purpose at the end (device-loss); before that, it must live.
+if ! grep -q 'HCOMM-RUNNING' "$run/console.txt"; then
+  kill -0 "$sim_pid" 2>/dev/null || { echo "FAIL: hcomm-sim died during the run"; fail=1; }
+fi
+if [ -f "$run/loss-ms" ]; then
+  ms=$(cat "$run/loss-ms")
+  echo "device-loss: a rank reported the lost device ${ms} ms after hcomm-sim was killed"
+  # The guest notices within the heartbeat's stale bound (500 ms) plus peer_check_ms; an emulated
+  # guest's console adds its own delay: 3 s is the bound here.
+  [ "$ms" -lt 3000 ] || { echo "FAIL: device-loss: noticed only after ${ms} ms"; fail=1; }
+fi
 grep -q '^HCOMM-DONE' "$run/console.txt" || { echo "FAIL: guest did not report HCOMM-DONE"; fail=1; }
-for name in modules bind probe-list probe-info probe-selftest probe-selftest-1 bad-descriptors npu-conformance api-conformance; do
+for name in modules bind probe-list probe-info probe-selftest probe-selftest-1 bad-descriptors npu-conformance api-conformance device-loss; do
   line=$(grep "^HCOMM-RESULT $name " "$run/console.txt" | tail -1 || true)
   if [ -z "$line" ]; then
     echo "FAIL: $name: no result"

@@ -3,7 +3,10 @@
 // every byte. Someone (a rank, or the simulator) may be SIGKILLed at any
 // moment; this rank must then end on its own with a status, never hang.
 //
-//   chaos_rank --rounds N
+//   chaos_rank --rounds N [--announce]
+//
+// --announce: once the first round is done, print "HCOMM-RUNNING rank R"
+// (the QEMU suite's host side kills hcomm-sim when it sees it).
 //
 // Each round: a ring sendrecv of 64 B (eager) and 256 KiB (rendezvous);
 // put to the right neighbour's window and get it back; an fp32 sum
@@ -48,8 +51,11 @@ void check(const char* what, hcomm_status_t st) {
 
 int main(int argc, char** argv) {
   uint64_t rounds = 50;
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], "--rounds") == 0) rounds = std::strtoull(argv[++i], nullptr, 10);
+  bool announce = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--rounds") == 0 && i + 1 < argc) rounds = std::strtoull(argv[++i], nullptr, 10);
+    else if (std::strcmp(argv[i], "--announce") == 0) announce = true;
+  }
   hcomm_config_t cfg;
   hcomm_config_init(&cfg);
   hcomm_context_t* ctx = nullptr;
@@ -111,6 +117,10 @@ int main(int argc, char** argv) {
     check("hcomm_fetch_add", hcomm_fetch_add(ctx, keys[0], kWin - 8, 1, &old, kOpMs));
     check("hcomm_flush", hcomm_flush(ctx, 0, kOpMs));
     check("hcomm_barrier", hcomm_barrier(ctx, kOpMs));
+    if (announce && round == 1) {
+      std::printf("HCOMM-RUNNING rank %d\n", me);
+      std::fflush(stdout);
+    }
   }
   // Rank 0's atomics add up: every rank did every round.
   check("hcomm_barrier(final)", hcomm_barrier(ctx, kOpMs));

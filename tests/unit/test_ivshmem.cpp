@@ -332,6 +332,47 @@ TEST_F(Ivshmem, HalRunsOverTheLink) {
   EXPECT_TRUE(dev->unmap(&mh));
 }
 
+// Device loss as the guest's driver sees it, with no round trip: the
+// device resetting itself shows in the shared liveness words at once, and
+// a model that stops (hcomm-sim killed) within iv::kHeartbeatStaleMs.
+TEST_F(Ivshmem, ADeviceResetIsSeenByHealth) {
+  FakeQemu& q = q_;
+  ASSERT_NO_FATAL_FAILURE(open_link(&q));
+  std::unique_ptr<npu::Device> dev;
+  Status st = npu::Device::open(std::move(link_), &dev);
+  ASSERT_TRUE(st) << st.to_string();
+  // Alive: the heartbeat moves, and health stays ok across several stale periods' worth of polls.
+  const Deadline alive = Deadline::after_ms(3 * iv::kHeartbeatStaleMs / 2);
+  while (!alive.expired()) {
+    ASSERT_TRUE(dev->health()) << dev->health().to_string();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  dev_->self_reset();  // hcomm-sim's control "reset"
+  Deadline dl = Deadline::after_ms(1000);
+  while ((st = dev->health()).is_ok() && !dl.expired()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(st.code(), Code::device_error);
+  EXPECT_NE(st.message().find("reset itself"), std::string::npos) << st.to_string();
+}
+
+TEST_F(Ivshmem, AStoppedModelIsSeenByHealthWithinTheStaleBound) {
+  FakeQemu& q = q_;
+  ASSERT_NO_FATAL_FAILURE(open_link(&q));
+  auto* link = link_.get();
+  ASSERT_TRUE(link->health());
+  const auto t0 = std::chrono::steady_clock::now();
+  front_->stop();  // the heartbeat stops, as when hcomm-sim is killed
+  Status st;
+  while ((st = link->health()).is_ok()) {
+    ASSERT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2)) << "a stopped model went unnoticed";
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(st.code(), Code::device_error);
+  EXPECT_NE(st.message().find("no heartbeat"), std::string::npos) << st.to_string();
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(iv::kHeartbeatStaleMs - 60))
+      << "a live model's heartbeat is not that slow";
+  link_.reset();
+}
+
 TEST_F(Ivshmem, DmaOutsideGuestRamIsRefusedByTheModel) {
   FakeQemu& q = q_;  // outlives link_ (its BAR mapping is the link's)
   ASSERT_NO_FATAL_FAILURE(open_link(&q));

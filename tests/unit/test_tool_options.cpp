@@ -111,7 +111,7 @@ TEST(ControlSession, LinesSplitAcrossReadsAndTheLineLimit) {
   EXPECT_FALSE(drop);
   EXPECT_EQ(s.feed("ng\nfail 0 2\nstats 0\nfail 1", 29, &drop), "ok\nok\nok completed=0 errors=0\n");
   EXPECT_EQ(fabric.device(0)->faults().fail_next.load(), 2u);
-  EXPECT_EQ(s.feed(" 1\n", 3, &drop), "error: usage: fail|corrupt|stall|clear|stats DEV [N]; DEV must be 0..0\n");
+  EXPECT_EQ(s.feed(" 1\n", 3, &drop), "error: usage: fail|corrupt|stall|clear|stats|reset DEV [N]; DEV must be 0..0\n");
   EXPECT_EQ(s.feed("clear 0\n", 8, &drop), "ok\n");
   EXPECT_EQ(fabric.device(0)->faults().fail_next.load(), 0u);
   std::string longline(ControlSession::kMaxLine + 1, 'x');

@@ -222,7 +222,7 @@ Status NpuTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& r) {
 }
 
 void NpuTransport::lose(const Status& why) {
-  _lost = Status::error(Code::device_error, "NPU device %s is gone: %s", _dev->link().location().c_str(),
+  _lost = Status::error(Code::device_error, "NPU device %s is unusable: %s", _dev->link().location().c_str(),
                         why.message().c_str());
   for (auto& [id, r] : _pending) r->complete(HCOMM_ERR_DEVICE, _lost.message());
   _pending.clear();
@@ -234,6 +234,10 @@ void NpuTransport::progress() {
   uint32_t n;
   while ((n = _q->poll(c)) > 0) {
     for (uint32_t i = 0; i < n; ++i) {
+      // Aborted: the queue was stopped under us. If the device was reset or
+      // is gone, say so (every pending and later operation fails with why).
+      if (c[i].status == abi::CqStatus::ABORTED)
+        if (Status h = _dev->health(true); !h) return lose(h);
       auto it = _pending.find(c[i].user_data);
       if (it == _pending.end()) continue;
       Request& r = *it->second;

@@ -39,10 +39,11 @@ class NpuTransport final : public Transport {
   Status rma(const RmaOp& op, const std::shared_ptr<Request>& r) override;
   Status flush(int peer, const Deadline& dl) override;
   void progress() override;
-  // The link hung up (hcomm-sim exited or was killed): the device is gone.
+  // The device is gone (hcomm-sim exited or was killed, the ivshmem model
+  // stopped) or was reset under us: hal::npu::Device::health.
   void check_health() override {
     if (_lost.is_ok())
-      if (Status h = _dev->link().health(); !h) lose(h);
+      if (Status h = _dev->health(); !h) lose(h);
   }
 
   uint32_t fabric_index() const { return _dev->info().fabric_index; }
