@@ -2,6 +2,7 @@
 #include <cstring>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "api/core/context.h"
 #include "hal/abi/desc.h"
@@ -34,9 +35,29 @@ Deadline deadline_of(int timeout_ms) { return Deadline::after_ms(timeout_ms < 0 
   Context& ctx = *(c)->impl;                                            \
   std::unique_lock lock(ctx.mu())
 
+// Request handles are recycled through a small per-thread cache, so that a
+// stream of nonblocking calls allocates nothing once it runs (a handle holds
+// no context state: freeing one stays safe after hcomm_finalize).
+struct HandleCache {
+  static constexpr size_t kMax = 256;
+  std::vector<hcomm_request*> free;
+  ~HandleCache() {
+    for (hcomm_request* h : free) delete h;
+  }
+};
+thread_local HandleCache t_handles;
+
 hcomm_status_t new_request(Context& ctx, std::shared_ptr<Request> r, hcomm_request_t** out) {
-  auto* h = new (std::nothrow) hcomm_request{&ctx, std::move(r)};
-  if (h == nullptr) return fail(HCOMM_ERR_NO_RESOURCE, "out of memory");
+  hcomm_request* h = nullptr;
+  if (!t_handles.free.empty()) {
+    h = t_handles.free.back();
+    t_handles.free.pop_back();
+    h->ctx = &ctx;
+    h->r = std::move(r);
+  } else {
+    h = new (std::nothrow) hcomm_request{&ctx, std::move(r)};
+    if (h == nullptr) return fail(HCOMM_ERR_NO_RESOURCE, "out of memory");
+  }
   *out = h;
   return HCOMM_OK;
 }
@@ -306,7 +327,14 @@ void hcomm_request_free(hcomm_request_t* req) {
   // The context keeps its own reference while the operation runs: freeing a
   // pending request only drops the user's handle (an atomic count; no
   // context access, so this is safe even after hcomm_finalize).
-  delete req;
+  req->r.reset();
+  req->ctx = nullptr;
+  if (t_handles.free.size() < HandleCache::kMax) {
+    if (t_handles.free.capacity() == 0) t_handles.free.reserve(HandleCache::kMax);
+    t_handles.free.push_back(req);
+  } else {
+    delete req;
+  }
 }
 
 hcomm_status_t hcomm_request_recv_info(const hcomm_request_t* req, hcomm_recv_info_t* info) {

@@ -519,8 +519,11 @@ void Context::check_peers(bool force) {
   if (!force && now - _last_check < _peer_check) return;
   _last_check = now;
   for (auto& t : _transports) t->check_health();
-  std::vector<pollfd> pfds;
-  std::vector<Peer*> who;
+  // Reused, so that a peer check allocates nothing (the fast path's promise).
+  std::vector<pollfd>& pfds = _check_pfds;
+  std::vector<Peer*>& who = _check_who;
+  pfds.clear();
+  who.clear();
   for (Peer& p : _peers) {
     if (p.rank == _rank || !p.alive) continue;
     pfds.push_back({p.sock.get(), POLLIN, 0});

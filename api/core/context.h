@@ -8,6 +8,8 @@
 // rma.cpp) and api/mem (registrations and packed keys: memory.cpp).
 #pragma once
 
+#include <poll.h>
+
 #include <atomic>
 #include <cstdint>
 #include <deque>
@@ -245,6 +247,16 @@ class Context final : public AmSink {
   std::map<uintptr_t, hcomm_mem*> _by_addr;   // CPU-visible registrations by start address
   // requests
   uint64_t _next_id = 1;
+  std::vector<pollfd> _check_pfds;  // check_peers, reused
+  std::vector<Peer*> _check_who;
+  // What a nonblocking one-sided call that completed at once (a synchronous
+  // lane: shm, cma) hands out: one immutable, completed request shared by
+  // all of them, so that the call allocates nothing.
+  const std::shared_ptr<Request> _done_rma = [] {
+    auto r = std::make_shared<Request>();
+    r->complete(HCOMM_OK);
+    return r;
+  }();
   std::map<uint64_t, std::shared_ptr<Request>> _pending_sends;  // rendezvous awaiting FIN
   std::list<std::shared_ptr<Request>> _posted;                   // receives
   std::list<Unexpected> _unexpected;

@@ -94,7 +94,9 @@ Status Context::rma(const RmaArgs& a, std::shared_ptr<Request>* out) {
       w.operand = a.notify_value;
       st = nlane->rma(w, nullptr);
     }
-    if (out != nullptr) {
+    if (out != nullptr && st) {
+      *out = _done_rma;  // immutable and complete: shared, nothing allocated
+    } else if (out != nullptr) {
       auto r = std::make_shared<Request>();
       r->kind = Request::Kind::rma;
       r->peer = a.rkey->peer;
