@@ -23,9 +23,10 @@ using hcomm::api::MsgType;
 namespace {
 
 // Both transports carry a message in a 4 KiB slot or receive buffer
-// (ShmTransport kSlotSize, VerbsTransport::kSlot); 0 and 100 probe the bound.
+// (VerbsTransport::kSlot: header + 4032 bytes; a full-form shm slot: its
+// sequence line, header + 3968 bytes); 0 and 100 probe the bound.
 constexpr size_t kSlot = 4096;
-constexpr size_t kEagerMaxes[] = {kSlot - sizeof(MsgHdr), 100, 0};
+constexpr size_t kEagerMaxes[] = {kSlot - sizeof(MsgHdr), kSlot - 64 - sizeof(MsgHdr), 100, 0};
 // The message types the protocol knows (eager, RTS, FIN, RETRACT).
 constexpr uint32_t kFirstType = static_cast<uint32_t>(MsgType::eager);
 constexpr uint32_t kLastType = static_cast<uint32_t>(MsgType::retract);

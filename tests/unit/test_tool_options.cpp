@@ -107,15 +107,15 @@ TEST(ControlSession, LinesSplitAcrossReadsAndTheLineLimit) {
   ASSERT_TRUE(fabric.add(std::make_unique<Device>(DeviceConfig{}, &fabric)));
   ControlSession s(fabric);
   bool drop = true;
-  EXPECT_EQ(s.feed("pi", 2, &drop), "");
+  auto feed = [&](const std::string& bytes) { return s.feed(bytes.data(), bytes.size(), &drop); };
+  EXPECT_EQ(feed("pi"), "");
   EXPECT_FALSE(drop);
-  EXPECT_EQ(s.feed("ng\nfail 0 2\nstats 0\nfail 1", 29, &drop), "ok\nok\nok completed=0 errors=0\n");
+  EXPECT_EQ(feed("ng\nfail 0 2\nstats 0\nfail 1"), "ok\nok\nok completed=0 errors=0\n");
   EXPECT_EQ(fabric.device(0)->faults().fail_next.load(), 2u);
-  EXPECT_EQ(s.feed(" 1\n", 3, &drop), "error: usage: fail|corrupt|stall|clear|stats|reset DEV [N]; DEV must be 0..0\n");
-  EXPECT_EQ(s.feed("clear 0\n", 8, &drop), "ok\n");
+  EXPECT_EQ(feed(" 1\n"), "error: usage: fail|corrupt|stall|clear|stats|reset DEV [N]; DEV must be 0..0\n");
+  EXPECT_EQ(feed("clear 0\n"), "ok\n");
   EXPECT_EQ(fabric.device(0)->faults().fail_next.load(), 0u);
-  std::string longline(ControlSession::kMaxLine + 1, 'x');
-  EXPECT_EQ(s.feed(longline.data(), longline.size(), &drop), "error: line too long\n");
+  EXPECT_EQ(feed(std::string(ControlSession::kMaxLine + 1, 'x')), "error: line too long\n");
   EXPECT_TRUE(drop);
 }
 

@@ -66,12 +66,21 @@ CtrlSegment* ShmTransport::seg(int peer) const {
 Status ShmTransport::connect(const Deadline& dl) {
   const int n = _ctx.size();
   std::vector<UniqueFd> chan_fds(static_cast<size_t>(n));
+  std::vector<ChannelLayout*> chans(static_cast<size_t>(n), nullptr);
   for (int r = _rank + 1; r < n; ++r) {
     if (!_ctx.peer(r).same_host) continue;
     int fd = ::memfd_create("hcomm-chan", MFD_CLOEXEC);
     if (fd < 0) return Status::from_errno(errno, "memfd_create(channel)");
     chan_fds[static_cast<size_t>(r)].reset(fd);
     if (::ftruncate(fd, sizeof(ChannelLayout)) != 0) return Status::from_errno(errno, "ftruncate(channel)");
+    // Every slot free for the producer's first lap, before the peer sees the channel.
+    void* chan = nullptr;
+    HCOMM_TRY(map_fd(fd, sizeof(ChannelLayout), &chan));
+    auto* c = static_cast<ChannelLayout*>(chan);
+    for (RingLayout& ring : c->dir)
+      for (uint32_t i = 0; i < kSlots; ++i) ring.slots[i].line.seq.store(i, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_release);
+    chans[static_cast<size_t>(r)] = c;
   }
   for (int r = 0; r < n; ++r) {
     if (r == _rank || !_ctx.peer(r).same_host) continue;
@@ -96,9 +105,12 @@ Status ShmTransport::connect(const Deadline& dl) {
     if (p.ctrl->hdr.magic != kCtrlMagic || p.ctrl->hdr.version != kCtrlVersion || p.ctrl->hdr.rank != r ||
         p.ctrl->hdr.job_hash != _ctx.job_hash())
       return Status::error(Code::protocol_error, "rank %d: control segment does not belong to this job", r);
-    void* chan = nullptr;
-    HCOMM_TRY(map_fd(r < _rank ? fds[1].get() : chan_fds[static_cast<size_t>(r)].get(), sizeof(ChannelLayout), &chan));
-    auto* c = static_cast<ChannelLayout*>(chan);
+    ChannelLayout* c = chans[static_cast<size_t>(r)];
+    if (r < _rank) {
+      void* chan = nullptr;
+      HCOMM_TRY(map_fd(fds[1].get(), sizeof(ChannelLayout), &chan));
+      c = static_cast<ChannelLayout*>(chan);
+    }
     // dir[0] carries lower -> higher.
     p.tx = &c->dir[_rank < r ? 0 : 1];
     p.rx = &c->dir[_rank < r ? 1 : 0];
@@ -312,14 +324,21 @@ Status ShmTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& /*r*/) 
 // ---- messaging ------------------------------------------------------------------------------
 
 bool ShmTransport::am_send(int peer, const MsgHdr& h, const void* payload, size_t len) {
-  RingLayout* tx = _peers[static_cast<size_t>(peer)].tx;
-  uint32_t tail = tx->tail.v.load(std::memory_order_relaxed);
-  uint32_t head = tx->head.v.load(std::memory_order_acquire);
-  if (tail - head >= kSlots) return false;
-  uint8_t* slot = tx->slots[tail % kSlots];
-  std::memcpy(slot, &h, sizeof h);
-  if (len > 0) std::memcpy(slot + sizeof h, payload, len);
-  tx->tail.v.store(tail + 1, std::memory_order_release);
+  ShmPeer& sp = _peers[static_cast<size_t>(peer)];
+  Slot& s = sp.tx->slots[sp.tx_pos % kSlots];
+  // Free for message #tx_pos once the consumer handed it back.
+  if (s.line.seq.load(std::memory_order_acquire) != sp.tx_pos) return false;
+  if (h.type == static_cast<uint32_t>(MsgType::eager) && len <= kInlineMax) {
+    s.line.form = kFormInline | static_cast<uint32_t>(len);
+    s.line.tag = h.tag;
+    if (len > 0) std::memcpy(s.line.data, payload, len);
+  } else {
+    s.line.form = kFormFull;
+    std::memcpy(s.body, &h, sizeof h);
+    if (len > 0) std::memcpy(s.body + sizeof h, payload, len);
+  }
+  s.line.seq.store(sp.tx_pos + 1, std::memory_order_release);
+  ++sp.tx_pos;
   return true;
 }
 
@@ -328,27 +347,44 @@ void ShmTransport::progress() {
     ShmPeer& sp = _peers[static_cast<size_t>(r)];
     Peer& p = _ctx.peer(r);
     if (r == _rank || !p.alive || sp.rx == nullptr || p.am != this) continue;
-    // Inbound: consume every published slot.
-    RingLayout* rx = sp.rx;
-    uint32_t head = rx->head.v.load(std::memory_order_relaxed);
-    uint32_t tail = rx->tail.v.load(std::memory_order_acquire);
-    if (tail - head > kSlots) {
-      _sink.on_peer_failed(r, "corrupt channel indices");
-      continue;
-    }
-    while (head != tail && p.alive) {
-      const uint8_t* slot = rx->slots[head % kSlots];
-      MsgHdr h;
-      std::memcpy(&h, slot, sizeof h);  // copy once, then validate the copy
-      ++head;
-      // A slot has no length of its own: the header's len is the payload.
-      if (std::string why; !am_header_ok(h, kBodyInHeader, kEagerMax, &why)) {
-        rx->head.v.store(head, std::memory_order_release);
+    // Inbound: consume every published slot, in order.
+    while (p.alive) {
+      Slot& s = sp.rx->slots[sp.rx_pos % kSlots];
+      const uint32_t seq = s.line.seq.load(std::memory_order_acquire);
+      if (seq == sp.rx_pos) break;  // not written yet
+      if (seq != sp.rx_pos + 1) {
+        _sink.on_peer_failed(r, "corrupt channel sequence word");
+        break;
+      }
+      // Copy the header the peer wrote once, then validate the copy (the
+      // payload is read in place: only its bytes, never a length, come from it).
+      const uint32_t form = s.line.form;
+      MsgHdr h{};
+      const uint8_t* payload = nullptr;
+      std::string why;
+      if ((form & ~0xffffu) == kFormInline && (form & 0xffffu) <= kInlineMax) {
+        h.type = static_cast<uint32_t>(MsgType::eager);
+        h.len = form & 0xffffu;
+        h.total = h.len;
+        h.tag = s.line.tag;
+        h.src_slot = kNoSlot;
+        payload = s.line.data;
+      } else if (form == kFormFull) {
+        std::memcpy(&h, s.body, sizeof h);
+        payload = s.body + sizeof h;
+      } else {
+        why = "slot form " + std::to_string(form);
+      }
+      // A full slot has no length of its own: the header's len is the payload.
+      const bool ok = why.empty() && am_header_ok(h, kBodyInHeader, kEagerMax, &why);
+      const uint32_t pos = sp.rx_pos++;
+      if (!ok) {
+        s.line.seq.store(pos + kSlots, std::memory_order_release);
         _sink.on_peer_failed(r, "garbled channel message (" + why + ")");
         break;
       }
-      _sink.on_am(r, h, slot + sizeof(MsgHdr));
-      rx->head.v.store(head, std::memory_order_release);
+      _sink.on_am(r, h, payload);
+      s.line.seq.store(pos + kSlots, std::memory_order_release);
     }
   }
 }

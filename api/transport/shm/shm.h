@@ -1,8 +1,14 @@
 // shm: ranks on one host through shared memory.
 //
 //  - Messaging: one single-producer single-consumer ring per direction per
-//    pair (64 slots x 4 KiB, a memfd the lower rank creates); a slot holds a
-//    64-byte MsgHdr and up to 4032 payload bytes.
+//    pair (64 slots x 4 KiB, a memfd the lower rank creates). Each slot's
+//    first cache line carries its sequence word (Vyukov: seq == pos: free
+//    for the producer's message #pos; pos + 1: holds it; the consumer hands
+//    it back as pos + kSlots), so there are no shared head and tail lines: a
+//    small eager message (at most kInlineMax bytes) travels with its tag in
+//    that one line, one cache line from producer to consumer. Anything else:
+//    a 64-byte MsgHdr in the slot's second line and up to kEagerMax payload
+//    bytes after it.
 //  - RMA: memory from hcomm_mem_alloc is a memfd handed to every same-host
 //    peer when it is allocated (an "advert" on the control socket); an
 //    importer maps it and the initiating CPU does memcpy / CPU atomics.
@@ -64,18 +70,27 @@ struct CtrlSegment {
   alignas(64) pthread_mutex_t locks[kLockStripes];
 };
 
-inline constexpr uint32_t kSlots = 64;
+inline constexpr uint32_t kSlots = 64;  // a power of two: sequence words wrap with the u32 position
 inline constexpr uint32_t kSlotSize = 4096;
-inline constexpr uint32_t kEagerMax = kSlotSize - sizeof(MsgHdr);
+inline constexpr uint32_t kInlineMax = 48;
+inline constexpr uint32_t kEagerMax = kSlotSize - 64 - sizeof(MsgHdr);
 
-struct alignas(64) RingIndex {
-  std::atomic<uint32_t> v;
-  uint8_t pad[60];
+// A slot's first cache line.
+struct alignas(64) SlotLine {
+  std::atomic<uint32_t> seq;  // see above; written last (release) by the producer, first read (acquire) by the consumer
+  uint32_t form;              // kFormInline | length, or kFormFull (a MsgHdr follows in the next line)
+  uint64_t tag;               // inline form: the message's tag
+  uint8_t data[kInlineMax];   // inline form: the payload
+};
+static_assert(sizeof(SlotLine) == 64);
+inline constexpr uint32_t kFormInline = 1u << 16;
+inline constexpr uint32_t kFormFull = 2u << 16;
+struct Slot {
+  SlotLine line;
+  uint8_t body[kSlotSize - sizeof(SlotLine)];  // full form: MsgHdr, then the payload
 };
 struct RingLayout {
-  RingIndex head;  // consumer-owned
-  RingIndex tail;  // producer-owned
-  uint8_t slots[kSlots][kSlotSize];
+  Slot slots[kSlots];
 };
 struct ChannelLayout {
   RingLayout dir[2];  // dir[0]: lower rank -> higher rank; dir[1]: the reverse
@@ -135,6 +150,8 @@ class ShmTransport final : public Transport {
     CtrlSegment* ctrl = nullptr;  // the peer's control segment, mapped read-write (locks)
     RingLayout* tx = nullptr;
     RingLayout* rx = nullptr;
+    uint32_t tx_pos = 0;  // our next message to the peer
+    uint32_t rx_pos = 0;  // the peer's next message to us
     std::map<uint64_t, UniqueFd> adverts;  // (slot << 32 | gen) -> memfd
   };
   ShmTransport(Context& ctx, AmSink& sink);
