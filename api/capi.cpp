@@ -38,20 +38,25 @@ Deadline deadline_of(int timeout_ms) { return Deadline::after_ms(timeout_ms < 0 
 // Request handles are recycled through a small per-thread cache, so that a
 // stream of nonblocking calls allocates nothing once it runs (a handle holds
 // no context state: freeing one stays safe after hcomm_finalize).
+// A handle freed after this thread's cache was destroyed (from another
+// thread_local's destructor, say) is deleted instead.
 struct HandleCache {
   static constexpr size_t kMax = 256;
-  std::vector<hcomm_request*> free;
+  hcomm_request* items[kMax];
+  size_t n = 0;
+  bool dead = false;
   ~HandleCache() {
-    for (hcomm_request* h : free) delete h;
+    for (size_t i = 0; i < n; ++i) delete items[i];
+    n = 0;
+    dead = true;
   }
 };
 thread_local HandleCache t_handles;
 
 hcomm_status_t new_request(Context& ctx, std::shared_ptr<Request> r, hcomm_request_t** out) {
   hcomm_request* h = nullptr;
-  if (!t_handles.free.empty()) {
-    h = t_handles.free.back();
-    t_handles.free.pop_back();
+  if (!t_handles.dead && t_handles.n > 0) {
+    h = t_handles.items[--t_handles.n];
     h->ctx = &ctx;
     h->r = std::move(r);
   } else {
@@ -324,17 +329,14 @@ hcomm_status_t hcomm_request_cancel(hcomm_request_t* req) {
 
 void hcomm_request_free(hcomm_request_t* req) {
   if (req == nullptr) return;
+  if (req->ctx == nullptr) return;  // already freed (and cached): a second free must not cache it twice
   // The context keeps its own reference while the operation runs: freeing a
   // pending request only drops the user's handle (an atomic count; no
   // context access, so this is safe even after hcomm_finalize).
   req->r.reset();
   req->ctx = nullptr;
-  if (t_handles.free.size() < HandleCache::kMax) {
-    if (t_handles.free.capacity() == 0) t_handles.free.reserve(HandleCache::kMax);
-    t_handles.free.push_back(req);
-  } else {
-    delete req;
-  }
+  if (!t_handles.dead && t_handles.n < HandleCache::kMax) t_handles.items[t_handles.n++] = req;
+  else delete req;
 }
 
 hcomm_status_t hcomm_request_recv_info(const hcomm_request_t* req, hcomm_recv_info_t* info) {

@@ -707,7 +707,9 @@ void Device::reset() {
 
 void Device::self_reset() {
   reset();
-  _self_resets.fetch_add(1, std::memory_order_acq_rel);
+  const uint64_t n = _self_resets.fetch_add(1, std::memory_order_acq_rel) + 1;
+  std::lock_guard lk(_hook_mu);
+  if (_self_reset_hook) _self_reset_hook(n);
 }
 
 void Device::client_gone() {
@@ -759,7 +761,23 @@ CqStatus Device::execute(Queue& q, const abi::SqEntry& d, uint64_t* fault_addr) 
       if (!s.ok()) return *fault_addr = d.src, s.status;
       Span t = translate_span(d.dst, d.length, true, false);
       if (!t.ok()) return *fault_addr = d.dst, t.status;
-      zip_pieces(t, s, [](uint8_t* dst, const uint8_t* src, uint64_t n) { std::memmove(dst, src, n); });
+      if (s.count() == 1 && t.count() == 1) {
+        std::memmove(t.one.ptr, s.one.ptr, d.length);
+      } else {
+        // Pieces may alias each other (two entries over the same memory):
+        // read the whole source first, as memmove would.
+        std::vector<uint8_t> bounce(d.length);
+        uint64_t at = 0;
+        for (size_t i = 0; i < s.count(); ++i) {
+          std::memcpy(bounce.data() + at, s.at(i).ptr, s.at(i).len);
+          at += s.at(i).len;
+        }
+        at = 0;
+        for (size_t i = 0; i < t.count(); ++i) {
+          std::memcpy(t.at(i).ptr, bounce.data() + at, t.at(i).len);
+          at += t.at(i).len;
+        }
+      }
       for (uint32_t n = _faults.corrupt_next.load(); n > 0;) {
         if (_faults.corrupt_next.compare_exchange_weak(n, n - 1)) {
           *byte_at(t, d.length / 2) ^= 0x5a;  // silent corruption: status stays OK

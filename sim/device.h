@@ -10,6 +10,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -114,6 +115,12 @@ class Device {
   // ivshmem front publishes; a driver sees STATUS without ENABLED.
   void self_reset();
   uint64_t self_resets() const { return _self_resets.load(std::memory_order_acquire); }
+  // Called (count after the reset) by self_reset(), so that a front can
+  // publish the reset before anyone can open the device anew.
+  void set_self_reset_hook(std::function<void(uint64_t)> hook) {
+    std::lock_guard lk(_hook_mu);
+    _self_reset_hook = std::move(hook);
+  }
   // The front's client vanished: reset and drop everything it gave us.
   void client_gone();
 
@@ -201,6 +208,8 @@ class Device {
   std::vector<std::unique_ptr<Queue>> _queues;
   FaultState _faults;
   std::atomic<uint64_t> _self_resets{0};
+  std::mutex _hook_mu;
+  std::function<void(uint64_t)> _self_reset_hook;
   std::mutex _reduce_mu;  // REDUCE serialisation when there is no fabric
 };
 

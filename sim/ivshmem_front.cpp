@@ -64,6 +64,9 @@ Status IvshmemFront::start() {
   std::memset(static_cast<void*>(_mb), 0, sizeof *_mb);
   _live = reinterpret_cast<iv::Liveness*>(_dev.file_base() + iv::kLivenessOffset);
   std::memset(static_cast<void*>(_live), 0, sizeof *_live);
+  __atomic_store_n(&_live->resets, _dev.self_resets(), __ATOMIC_RELEASE);
+  iv::Liveness* live = _live;
+  _dev.set_self_reset_hook([live](uint64_t n) { __atomic_store_n(&live->resets, n, __ATOMIC_RELEASE); });
 
   UniqueFd mb_efd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!mb_efd.valid()) return Status::from_errno(errno, "eventfd");
@@ -130,7 +133,6 @@ bool IvshmemFront::serve(UniqueFd client) {
     pollfd p[3] = {{fd, POLLIN, 0}, {_mailbox_efd.get(), POLLIN, 0}, {abort_fd, POLLIN, 0}};
     // The timeout covers a kick lost between seq and the doorbell, and paces
     // the heartbeat the guest's driver watches (iv::Liveness).
-    __atomic_store_n(&_live->resets, _dev.self_resets(), __ATOMIC_RELEASE);
     __atomic_fetch_add(&_live->heartbeat, 1, __ATOMIC_RELEASE);
     int n = ::poll(p, 3, static_cast<int>(iv::kHeartbeatMs));
     if (n < 0 && errno != EINTR) break;

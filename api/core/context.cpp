@@ -122,8 +122,8 @@ Status Context::init(const hcomm_config_t& cfg) {
     li.source = "store";
     li.job_id = cfg.job_id != nullptr ? cfg.job_id : "";
     if (li.job_id.empty()) {
-      // Jobs sharing a host must not share a job id (it names their socket
-      // directory): rank 0 draws one and publishes it through the store.
+      // Jobs sharing a store must not share a job id (it names their keys
+      // there): rank 0 draws one and publishes it through the store.
       auto kv = kv_store_from_c(*cfg.store);
       const int wait_ms = cfg.bootstrap_timeout_ms > 0 ? cfg.bootstrap_timeout_ms : 30000;
       if (li.rank == 0) {

@@ -23,7 +23,6 @@
 
 #include "api/wireup/host.h"
 #include "api/wireup/mesh_wire.h"
-#include "api/wireup/run_dir.h"
 
 namespace hcomm::api {
 
@@ -408,14 +407,30 @@ Status check_cred(int fd, pid_t want, int r) {
   return Status::ok();
 }
 
-// The mesh listens in Linux's abstract socket namespace: the name is gone
-// the moment its socket closes, so a rank killed at any point leaves no
-// socket file or directory behind. Names carry the uid and the job id;
-// who may connect is checked by the hello and SO_PEERCRED (pid and uid), as
-// file permissions would be. In the allgather blob the name is written with
-// a leading '@' for the NUL.
-std::string listen_name(const std::string& job, int rank) {
-  return "@hcomm-" + std::to_string(::getuid()) + "-mesh-" + file_safe_job(job) + "-r" + std::to_string(rank);
+// The mesh listens in Linux's abstract socket namespace, on a name the
+// kernel picks (autobind: NUL and five hex digits) and the allgather
+// publishes (written with a leading '@' for the NUL): gone the moment its
+// socket closes, so a rank killed at any point leaves no file behind; never
+// taken by someone else first, since nobody can predict it. Anyone in the
+// network namespace may still connect: the accept path checks the uid, the
+// hello and SO_PEERCRED, as file permissions would.
+Status listen_abstract(int backlog, UniqueFd* out, std::string* name) {
+  UniqueFd fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd.valid()) return Status::from_errno(errno, "socket(AF_UNIX, SOCK_SEQPACKET)");
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(sa_family_t)) != 0)
+    return Status::from_errno(errno, "bind (abstract autobind)");
+  socklen_t len = sizeof a;
+  if (::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&a), &len) != 0)
+    return Status::from_errno(errno, "getsockname");
+  const size_t n = len > offsetof(sockaddr_un, sun_path) ? len - offsetof(sockaddr_un, sun_path) : 0;
+  if (n < 2 || a.sun_path[0] != '\0')
+    return Status::error(Code::io_error, "autobind gave no abstract name (%zu bytes)", n);
+  if (::listen(fd.get(), backlog) != 0) return Status::from_errno(errno, "listen (mesh)");
+  *name = "@" + std::string(a.sun_path + 1, n - 1);
+  *out = std::move(fd);
+  return Status::ok();
 }
 
 Status make_addr(const std::string& name, sockaddr_un* a, socklen_t* len) {
@@ -737,23 +752,11 @@ Status connect_mesh(Bootstrap& boot, const Deadline& dl, std::vector<MeshLink>* 
   int keep_ms = 0;
   HCOMM_TRY(keepalive_ms(&keep_ms));
 
-  // Round 1: who is where. Every rank listens on its UNIX path first (the
+  // Round 1: who is where. Every rank listens on its abstract name first (the
   // allgather orders listening before anyone connects).
   UniqueFd listener;
-  const std::string my_name = listen_name(boot.job_id(), me);
-  sockaddr_un addr;
-  socklen_t addr_len = 0;
-  HCOMM_TRY(make_addr(my_name, &addr, &addr_len));
-  listener.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (!listener.valid()) return Status::from_errno(errno, "socket(AF_UNIX, SOCK_SEQPACKET)");
-  if (::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), addr_len) != 0) {
-    if (errno == EADDRINUSE)
-      return Status::error(Code::invalid_argument,
-                           "mesh socket %s is taken: another live process of job \"%s\" has rank %d (job id reused?)",
-                           my_name.c_str(), boot.job_id().c_str(), me);
-    return Status::from_errno(errno, "bind " + my_name);
-  }
-  if (::listen(listener.get(), size) != 0) return Status::from_errno(errno, "listen " + my_name);
+  std::string my_name;
+  HCOMM_TRY(listen_abstract(size, &listener, &my_name));
 
   std::vector<std::string> all;
   HCOMM_TRY(boot.allgather(std::to_string(::getpid()) + "\n" + my_host + "\n" + my_name, &all, dl));
@@ -882,16 +885,29 @@ Status connect_mesh(Bootstrap& boot, const Deadline& dl, std::vector<MeshLink>* 
       if (errno == EAGAIN || errno == EINTR || errno == ECONNABORTED) continue;
       return Status::from_errno(errno, "accept " + my_name);
     }
+    // Anyone in this network namespace can reach an abstract name: a
+    // connection that is not one of our ranks (another user, a stale or
+    // foreign process, one that stays silent past kHelloWait) is dropped
+    // and noted, and the mesh keeps waiting for the real peers.
     std::vector<uint8_t> m;
-    HCOMM_TRY(recv_msg(fd.get(), &m, nullptr, dl));
     int r = -1;
-    HCOMM_TRY(check_hello(m, boot.job_id(), me, size, -1, pids, &r));
-    if (out[static_cast<size_t>(r)].fd.valid())
-      return Status::error(Code::protocol_error, "mesh: rank %d connected twice", r);
-    if (!out[static_cast<size_t>(r)].same_host)
-      return Status::error(Code::protocol_error, "mesh: rank %d (host %s) connected over AF_UNIX to host %s", r,
-                           out[static_cast<size_t>(r)].host.c_str(), my_host.c_str());
-    HCOMM_TRY(check_cred(fd.get(), pids[static_cast<size_t>(r)], r));
+    ucred cr{};
+    socklen_t crlen = sizeof cr;
+    Status st = ::getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cr, &crlen) == 0 && cr.uid == ::getuid()
+                    ? Status::ok()
+                    : Status::error(Code::protocol_error, "a connection from uid %u", static_cast<unsigned>(cr.uid));
+    if (st) st = recv_msg(fd.get(), &m, nullptr, min_deadline(dl, kHelloWait));
+    if (st) st = check_hello(m, boot.job_id(), me, size, -1, pids, &r);
+    if (st && out[static_cast<size_t>(r)].fd.valid())
+      st = Status::error(Code::protocol_error, "rank %d connected twice", r);
+    if (st && !out[static_cast<size_t>(r)].same_host)
+      st = Status::error(Code::protocol_error, "rank %d (host %s) connected over AF_UNIX to host %s", r,
+                         out[static_cast<size_t>(r)].host.c_str(), my_host.c_str());
+    if (st) st = check_cred(fd.get(), pids[static_cast<size_t>(r)], r);
+    if (!st) {
+      refused += "; dropped a local connection: " + st.message();
+      continue;
+    }
     HCOMM_TRY(send_msg(fd.get(), my_hello.data(), my_hello.size(), {}, dl, r));
     out[static_cast<size_t>(r)].fd = std::move(fd);
     --pending;

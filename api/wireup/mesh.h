@@ -61,10 +61,10 @@ uint64_t mesh_job_cookie(const std::string& job_id);
 
 // Collective (every rank of `boot` calls it). On success (*peers)[r] is the
 // link to rank r (see MeshLink). How:
-//  1. allgather (pid, host id, UNIX socket name): every rank listens on
-//     the abstract name "\0hcomm-<uid>-mesh-<job>-r<rank>" (a live process
-//     of the same job holding it is invalid_argument); same host id = same
-//     host.
+//  1. allgather (pid, host id, UNIX socket name): every rank listens on an
+//     abstract name the kernel picks (autobind); same host id = same host.
+//     A local connection that is not a rank of this job (another uid, a bad
+//     hello or SO_PEERCRED, silence past 2 s) is dropped and noted.
 //  2. only if some hosts differ: every rank with a peer on another host
 //     listens on TCP, on an ephemeral port of mesh_listen_address() (env
 //     HCOMM_SOCKET_ADDR / HCOMM_SOCKET_IFNAME / the route to MASTER_ADDR /

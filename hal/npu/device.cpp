@@ -1,5 +1,6 @@
 #include "hal/npu/device.h"
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -146,6 +147,20 @@ Status Device::map_host(void* ptr, uint64_t len, int fd, uint64_t fd_offset, uin
   segs[0].len = len;
   if ((_info.caps & abi::cap::ATT_SPAN) != 0) HCOMM_TRY(_link->dma_map_segments(ptr, len, fd, fd_offset, prot, &segs));
   else HCOMM_TRY(_link->dma_map(ptr, len, fd, fd_offset, prot, &segs[0].bus_addr));
+  auto unmap_all = [&] {
+    for (const auto& seg : segs) (void)_link->dma_unmap(seg.bus_addr, seg.len);
+  };
+  if (segs.empty()) return Status::error(Code::device_error, "map_host: the link mapped no segment");
+  if (segs.size() > 1) {
+    const auto free_att = static_cast<size_t>(std::count(_att_used.begin(), _att_used.end(), false));
+    if (segs.size() > free_att) {
+      unmap_all();
+      return Status::error(Code::no_resource,
+                           "map_host: the buffer of %llu bytes is in %zu physically contiguous pieces, one ATT entry "
+                           "each, and %zu entries are free",
+                           static_cast<unsigned long long>(len), segs.size(), free_att);
+    }
+  }
   Mapping m;
   m.len = len;
   m.host = true;
@@ -175,7 +190,7 @@ Status Device::map_host(void* ptr, uint64_t len, int fd, uint64_t fd_offset, uin
   }
   if (!st) {
     for (const auto& p : m.pieces) (void)att_clear(p.att_index);
-    for (const auto& seg : segs) (void)_link->dma_unmap(seg.bus_addr, seg.len);
+    unmap_all();
     return Status(st.code(), st.message() + " (mapping a buffer of " + std::to_string(len) + " bytes in " +
                                  std::to_string(segs.size()) + " pieces)");
   }
@@ -243,10 +258,14 @@ Status Device::unmap(Mapping* m) {
     return Status::error(Code::not_found, "unmap: ATT entry %u not in use", m->att_index);
   // Clear the ATT entries first (the device stops using them), then the DMA maps.
   if (!m->pieces.empty()) {
-    for (const auto& p : m->pieces) HCOMM_TRY(att_clear(p.att_index));
-    for (const auto& p : m->pieces) HCOMM_TRY(_link->dma_unmap(p.bus_addr, p.len));
+    // Every piece, whatever fails: the first failure is reported, nothing is left half mapped.
+    Status first;
+    for (const auto& p : m->pieces)
+      if (Status st = att_clear(p.att_index); !st && first.is_ok()) first = st;
+    for (const auto& p : m->pieces)
+      if (Status st = _link->dma_unmap(p.bus_addr, p.len); !st && first.is_ok()) first = st;
     *m = Mapping{};
-    return Status::ok();
+    return first;
   }
   HCOMM_TRY(att_clear(m->att_index));
   if (m->host) HCOMM_TRY(_link->dma_unmap(m->bus_addr, m->len));

@@ -12,6 +12,7 @@
 #include <new>
 #include <vector>
 
+#include "tests/support/keys.h"
 #include "tests/support/ranks.h"
 
 namespace {
@@ -50,13 +51,7 @@ TEST(FastPath, OneSidedOnOneHostAllocatesNothing) {
     hcomm_mem_t *w, *l;
     RCHECK_OK(hcomm_mem_alloc(ctx, 1 << 16, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
     RCHECK_OK(hcomm_mem_alloc(ctx, 1 << 16, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
-    uint8_t mine[HCOMM_RKEY_MAX], theirs[HCOMM_RKEY_MAX];
-    size_t len = sizeof mine;
-    RCHECK_OK(hcomm_mem_rkey_pack(w, mine, &len));
-    hcomm_recv_info_t info;
-    RCHECK_OK(hcomm_sendrecv(ctx, peer, mine, len, 1, peer, theirs, sizeof theirs, 1, HCOMM_TAG_MASK_ALL, &info, T));
-    hcomm_rkey_t* k = nullptr;
-    RCHECK_OK(hcomm_rkey_import(ctx, peer, theirs, info.length, &k));
+    hcomm_rkey_t* k = test::swap_keys(ctx, peer, w, 1, T);
     auto* lp = static_cast<uint8_t*>(hcomm_mem_ptr(l));
     std::vector<hcomm_request_t*> reqs(32);
     auto stretch = [&](int rounds) {

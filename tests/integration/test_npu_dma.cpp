@@ -126,6 +126,19 @@ class NpuDma : public ::testing::Test {
     maps_.push_back(m);
     return m.iova;
   }
+  // A raw ATT WRITE of entry `index` through the link (past the HAL); returns ATT_STATUS.
+  uint32_t att_write(uint32_t index, uint64_t iova, uint64_t len, uint64_t target, uint32_t flags) {
+    driver::Link& l = dev_->link();
+    EXPECT_TRUE(l.write32(abi::reg::ATT_INDEX, index));
+    EXPECT_TRUE(l.write64(abi::reg::ATT_IOVA, iova));
+    EXPECT_TRUE(l.write64(abi::reg::ATT_LEN, len));
+    EXPECT_TRUE(l.write64(abi::reg::ATT_TARGET, target));
+    EXPECT_TRUE(l.write32(abi::reg::ATT_FLAGS, flags));
+    EXPECT_TRUE(l.write32(abi::reg::ATT_CMD, abi::att_cmd::WRITE));
+    uint32_t st = 99;
+    EXPECT_TRUE(l.read32(abi::reg::ATT_STATUS, &st));
+    return st;
+  }
   // Submit everything and return the status of the one in-flight descriptor.
   CqStatus run_one() {
     q_->submit();
@@ -610,16 +623,7 @@ TEST_F(NpuDma, FaultInjectionFailCorruptStall) {
 
 TEST_F(NpuDma, AttRejectsBadEntries) {
   auto att = [&](uint32_t index, uint64_t iova, uint64_t len, uint64_t target, uint32_t flags) {
-    driver::Link& l = dev_->link();
-    EXPECT_TRUE(l.write32(abi::reg::ATT_INDEX, index));
-    EXPECT_TRUE(l.write64(abi::reg::ATT_IOVA, iova));
-    EXPECT_TRUE(l.write64(abi::reg::ATT_LEN, len));
-    EXPECT_TRUE(l.write64(abi::reg::ATT_TARGET, target));
-    EXPECT_TRUE(l.write32(abi::reg::ATT_FLAGS, flags));
-    EXPECT_TRUE(l.write32(abi::reg::ATT_CMD, abi::att_cmd::WRITE));
-    uint32_t st = 99;
-    EXPECT_TRUE(l.read32(abi::reg::ATT_STATUS, &st));
-    return st;
+    return att_write(index, iova, len, target, flags);
   };
   const uint32_t last = dev_->info().num_att - 1;  // the HAL allocates from 0 up
   using namespace abi;
@@ -645,15 +649,7 @@ TEST_F(NpuDma, OperandsRunThroughAdjacentAttEntries) {
   driver::Link& l = dev_->link();
   const uint32_t last = dev_->info().num_att - 1;  // the HAL allocates from 0 up
   auto att = [&](uint32_t index, uint64_t iova, uint64_t len, uint64_t target, uint32_t flags) {
-    EXPECT_TRUE(l.write32(abi::reg::ATT_INDEX, index));
-    EXPECT_TRUE(l.write64(abi::reg::ATT_IOVA, iova));
-    EXPECT_TRUE(l.write64(abi::reg::ATT_LEN, len));
-    EXPECT_TRUE(l.write64(abi::reg::ATT_TARGET, target));
-    EXPECT_TRUE(l.write32(abi::reg::ATT_FLAGS, flags));
-    EXPECT_TRUE(l.write32(abi::reg::ATT_CMD, abi::att_cmd::WRITE));
-    uint32_t st = 99;
-    EXPECT_TRUE(l.read32(abi::reg::ATT_STATUS, &st));
-    EXPECT_EQ(st, abi::att_status::OK);
+    EXPECT_EQ(att_write(index, iova, len, target, flags), abi::att_status::OK);
   };
   using namespace abi;
   const uint32_t rw = att::READ | att::WRITE | att::KIND_HBM;

@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/keys.h"
 #include "tests/support/ranks.h"
 #include "tests/support/sim_process.h"
 
@@ -723,13 +724,7 @@ void device_loss(const std::string& how, const char* why) {
     hcomm_mem_t *w, *l;
     RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
     RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
-    uint8_t mine[HCOMM_RKEY_MAX], theirs[HCOMM_RKEY_MAX];
-    size_t len = sizeof mine;
-    RCHECK_OK(hcomm_mem_rkey_pack(w, mine, &len));
-    hcomm_recv_info_t info;
-    RCHECK_OK(hcomm_sendrecv(ctx, peer, mine, len, 1, peer, theirs, sizeof theirs, 1, HCOMM_TAG_MASK_ALL, &info, T));
-    hcomm_rkey_t* k = nullptr;
-    RCHECK_OK(hcomm_rkey_import(ctx, peer, theirs, info.length, &k));
+    hcomm_rkey_t* k = test::swap_keys(ctx, peer, w, 1, T);
     auto* lp = static_cast<uint8_t*>(hcomm_mem_ptr(l));
     RCHECK_OK(hcomm_put(ctx, lp, s, k, 0, T)) << "the device works before";
     // A put that stays pending: our device takes no descriptor for 5 s.

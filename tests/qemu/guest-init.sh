@@ -87,6 +87,8 @@ echo "hcomm guest: == device-loss"
 { HCOMM_ENGINE=npu HCOMM_DEVICE="$1,$2" timeout 60 hcomm-run -n 2 -- chaos_rank --rounds 1000000 --announce
   echo $? > /tmp/loss.rc; } 2>&1 | tee /tmp/loss.out
 rc=$(cat /tmp/loss.rc)
-# hcomm-run gives the worst status: 11 device error (10 peer failure only if no rank saw the device go).
-[ $rc -eq 11 ] && grep -q "no heartbeat" /tmp/loss.out
+# hcomm-run gives the worst status: 11 device error, or 10 peer failure when what a rank saw first was
+# its peer failing to move the payload because that peer's device was gone; either way the reason is
+# the lost device.
+{ [ $rc -eq 11 ] || [ $rc -eq 10 ]; } && grep -q "device error" /tmp/loss.out
 result device-loss $?

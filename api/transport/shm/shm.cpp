@@ -347,8 +347,10 @@ void ShmTransport::progress() {
     ShmPeer& sp = _peers[static_cast<size_t>(r)];
     Peer& p = _ctx.peer(r);
     if (r == _rank || !p.alive || sp.rx == nullptr || p.am != this) continue;
-    // Inbound: consume every published slot, in order.
-    while (p.alive) {
+    // Inbound: consume what is published, in order, at most one ring's worth
+    // per call (a producer that refills as fast as we drain, or a hostile one
+    // re-arming slots, must not keep progress here).
+    for (uint32_t budget = kSlots; budget > 0 && p.alive; --budget) {
       Slot& s = sp.rx->slots[sp.rx_pos % kSlots];
       const uint32_t seq = s.line.seq.load(std::memory_order_acquire);
       if (seq == sp.rx_pos) break;  // not written yet

@@ -38,7 +38,7 @@ namespace hcomm::api {
 class Context;
 
 inline constexpr uint32_t kCtrlMagic = 0x4843434cu;  // "HCCL"
-inline constexpr uint32_t kCtrlVersion = 2;
+inline constexpr uint32_t kCtrlVersion = 3;  // 3: channel slots with sequence words
 inline constexpr uint32_t kMaxRegs = 4096;
 inline constexpr uint32_t kLockStripes = 64;
 
