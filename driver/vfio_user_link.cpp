@@ -172,7 +172,9 @@ Status VfioUserLink::transact(vu::Command cmd, std::span<const uint8_t> a, std::
   auto io_fail = [&](Io io, const char* what) {
     switch (io) {
       case Io::eof:
-        return broken(Status::error(Code::peer_failure, "vfio-user %s %s: server closed the connection while %s",
+        return broken(Status::error(Code::peer_failure,
+                                    "vfio-user %s %s: the device's server hung up (hcomm-sim exited or was killed) "
+                                    "while %s",
                                     _path.c_str(), name, what));
       case Io::timeout:
         return broken(Status::error(Code::timeout, "vfio-user %s %s: no reply within %d ms (%s)", _path.c_str(),

@@ -240,8 +240,11 @@ Status Device::health(bool force) {
     _status_checked = now;
   }
   uint32_t st = 0;
-  if (Status r = _link->read32(reg::STATUS, &st); !r)
+  if (Status r = _link->read32(reg::STATUS, &st); !r) {
+    // The read may be how a hang-up shows first: then say that, as the link does.
+    if (Status h = _link->health(); !h) return h;
     return Status::error(Code::device_error, "reading STATUS failed: %s", r.message().c_str());
+  }
   if (st == 0xffffffffu)
     return Status::error(Code::device_error, "registers read as all ones (removed from the bus, or in reset)");
   if ((st & abi::status::FATAL) != 0) return Status::error(Code::device_error, "the device reports FATAL");
