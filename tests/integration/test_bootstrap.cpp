@@ -11,15 +11,21 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
+#include <set>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "api/wireup/bootstrap.h"
@@ -120,6 +126,31 @@ void expect_all_ok(const std::map<int, RankOut>& res, size_t n) {
   for (auto& [r, o] : res) EXPECT_EQ(o.status, 0) << "rank " << r << ": " << o.text;
 }
 
+// The abstract names ("@...") of the listening AF_UNIX sockets process `pid`
+// holds: its fds' socket inodes, matched in /proc/net/unix (flag
+// __SO_ACCEPTCON = 0x10000 marks a listener).
+std::vector<std::string> listening_abstract(pid_t pid) {
+  std::set<std::string> inodes;
+  const std::string fd_dir = "/proc/" + std::to_string(pid) + "/fd";
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(fd_dir, ec)) {
+    std::string t = std::filesystem::read_symlink(e.path(), ec).string();
+    if (t.rfind("socket:[", 0) == 0) inodes.insert(t.substr(8, t.size() - 9));
+  }
+  std::vector<std::string> out;
+  std::ifstream in("/proc/net/unix");
+  std::string line;
+  std::getline(in, line);  // header
+  while (std::getline(in, line)) {
+    std::istringstream f(line);
+    std::string num, refs, proto, flags, type, st, inode, path;
+    if (!(f >> num >> refs >> proto >> flags >> type >> st >> inode >> path)) continue;
+    if (path.empty() || path[0] != '@' || !inodes.count(inode)) continue;
+    if ((std::stoul(flags, nullptr, 16) & 0x10000u) != 0) out.push_back(path);
+  }
+  return out;
+}
+
 // The blob rank r contributes in round k: lengths from 0 to kMaxBlob.
 std::string blob(int r, int k) {
   size_t len = k == 0 ? 0 : k == 1 ? static_cast<size_t>(r + 1) : k == 2 ? Bootstrap::kMaxBlob : 1000u * (r + 1u);
@@ -184,8 +215,7 @@ TEST_P(BootstrapN, MeshPassesDescriptors) {
     st = connect_mesh(*b, dl, &peers);
     if (!st) return "connect_mesh: " + st.to_string();
     if (peers.size() != static_cast<size_t>(n) || peers[static_cast<size_t>(me)].fd.valid()) return "bad peers vector";
-    std::string sock = "/tmp/hcomm-" + std::to_string(::getuid()) + "/mesh-" + job + "/r" + std::to_string(me) + ".sock";
-    if (std::filesystem::exists(sock)) return "listening socket not removed: " + sock;
+    if (!listening_abstract(::getpid()).empty()) return "a listening socket outlived connect_mesh";
     // To every peer: a pipe's read end, with "me->p" already written into it.
     for (int p = 0; p < n; ++p) {
       if (p == me) continue;
@@ -219,6 +249,63 @@ TEST_P(BootstrapN, MeshPassesDescriptors) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, BootstrapN, ::testing::Values(2, 4));
+
+// Anyone in the network namespace can reach a rank's abstract listening
+// name: strangers that connect first (one sending a bad hello, one staying
+// silent past the 2 s hello wait) are dropped, and the mesh still forms.
+TEST(Mesh, LocalStrangersAreDroppedAndTheMeshForms) {
+  int port = free_port();
+  std::string job = unique_job("strangers");
+  const std::string dir = ::testing::TempDir() + "/" + job;
+  std::filesystem::create_directories(dir);
+  auto body = [&](int me) -> std::string {
+    std::unique_ptr<Bootstrap> b;
+    Status st = Bootstrap::create(tcp_launch(me, 2, port, job), 20000, &b);
+    if (!st) return "create: " + st.to_string();
+    UniqueFd bad, silent;
+    if (me == 0) {
+      std::ofstream(dir + "/pid0") << ::getpid();
+    } else {
+      // Rank 1 plays the strangers first: rank 0 listens (and waits in the
+      // rendezvous for us) once it is in connect_mesh.
+      pid_t pid0 = 0;
+      std::vector<std::string> names;
+      const Deadline find = Deadline::after_ms(10000);
+      while (names.empty() && !find.expired()) {
+        std::ifstream(dir + "/pid0") >> pid0;
+        if (pid0 > 0) names = listening_abstract(pid0);
+        if (names.empty()) std::this_thread::sleep_for(Ms(5));
+      }
+      if (names.size() != 1) return "rank 0's listening socket not found";
+      sockaddr_un a{};
+      a.sun_family = AF_UNIX;
+      std::memcpy(a.sun_path + 1, names[0].data() + 1, names[0].size() - 1);
+      const auto alen = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + names[0].size());
+      bad.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+      silent.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+      if (::connect(bad.get(), reinterpret_cast<sockaddr*>(&a), alen) != 0 ||
+          ::connect(silent.get(), reinterpret_cast<sockaddr*>(&a), alen) != 0)
+        return std::string("stranger connect: ") + std::strerror(errno);
+      if (::send(bad.get(), "not a hello", 11, 0) != 11) return "stranger send";
+    }
+    Deadline dl = Deadline::after_ms(20000);
+    std::vector<MeshLink> peers;
+    st = connect_mesh(*b, dl, &peers);
+    if (!st) return "connect_mesh: " + st.to_string();
+    const std::string msg = "hello " + std::to_string(me);
+    const int peer = 1 - me;
+    st = send_msg(peers[static_cast<size_t>(peer)].fd.get(), msg.data(), msg.size(), {}, dl, peer);
+    if (!st) return "send_msg: " + st.to_string();
+    std::vector<uint8_t> m;
+    st = recv_msg(peers[static_cast<size_t>(peer)].fd.get(), &m, nullptr, dl, peer);
+    if (!st) return "recv_msg: " + st.to_string();
+    if (std::string(m.begin(), m.end()) != "hello " + std::to_string(peer)) return "wrong message";
+    st = b->barrier(dl);
+    return st ? "ok" : "barrier: " + st.to_string();
+  };
+  expect_all_ok(run_ranks(all_ranks(2), body), 2);
+  std::filesystem::remove_all(dir);
+}
 
 // Rank 2 of 3 never starts: ranks 0 and 1 fail with timeout naming it, within the deadline.
 TEST(BootstrapFailure, MissingRankTimesOutNamingIt) {
