@@ -547,6 +547,8 @@ void Context::peer_failed(Peer& p, const std::string& why) {
   if (!p.alive) return;
   p.alive = false;
   p.why_dead = "rank " + std::to_string(p.rank) + ": " + why;
+  ++_peers_failed;
+  _last_failure = p.why_dead;
   for (auto& t : _transports) t->peer_failed(p.rank, p.why_dead);
   for (auto& r : p.backlog) send_done(*r, HCOMM_ERR_PEER_FAILURE, p.why_dead);
   p.backlog.clear();

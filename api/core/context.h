@@ -247,6 +247,8 @@ class Context final : public AmSink {
   std::map<uintptr_t, hcomm_mem*> _by_addr;   // CPU-visible registrations by start address
   // requests
   uint64_t _next_id = 1;
+  uint64_t _peers_failed = 0;  // peers declared failed so far (notify_wait ends on a new one)
+  std::string _last_failure;    // the latest one's why_dead
   std::vector<pollfd> _check_pfds;  // check_peers, reused
   std::vector<Peer*> _check_who;
   // What a nonblocking one-sided call that completed at once (a synchronous

@@ -140,8 +140,16 @@ Status Context::notify_wait(hcomm_mem* m, uint64_t off, uint64_t value, const De
   if (m->ptr == nullptr) return Status::error(Code::unsupported, "notify_wait: memory not CPU-visible");
   std::atomic_ref<uint64_t> w(*reinterpret_cast<uint64_t*>(m->ptr + off));
   // The target side needs no progress to see the word; progress runs now and
-  // then so this rank's peers are still served while it waits.
-  if (spin_wait([&] { return w.load(std::memory_order_acquire) >= value; }, false, dl)) return Status::ok();
+  // then so this rank's peers are still served while it waits. Who would
+  // write the word is not known here: a peer that fails during the wait ends
+  // it (the word may never come), naming the peer; waiting again is the
+  // caller's choice.
+  const uint64_t failed_before = _peers_failed;
+  if (spin_wait([&] { return w.load(std::memory_order_acquire) >= value || _peers_failed != failed_before; }, false,
+                dl)) {
+    if (w.load(std::memory_order_acquire) >= value) return Status::ok();
+    return Status(Code::peer_failure, "notify_wait: " + _last_failure);
+  }
   return Status::error(Code::timeout, "notify_wait: word is %lu, waiting for >= %lu",
                        static_cast<unsigned long>(w.load()), static_cast<unsigned long>(value));
 }

@@ -753,6 +753,34 @@ void device_loss(const std::string& how, const char* why) {
   EXPECT_EQ(err, "");
 }
 
+// notify_wait watches local memory, and who would write the word is not
+// known: a peer that fails during the wait ends it (found by the chaos
+// suite: a parameter server waited out its full timeout for a dead worker).
+TEST(PeerFailure, EndsANotifyWait) {
+  std::string err = run_ranks(2, {{"HCOMM_ENGINE", "host"}}, [&](int rank) {
+    hcomm_config_t cfg = config();
+    hcomm_context_t* ctx = nullptr;
+    RCHECK_OK(hcomm_init(&cfg, &ctx));
+    hcomm_mem_t* w = nullptr;
+    RCHECK_OK(hcomm_mem_alloc(ctx, 64, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    if (rank == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // rank 0 is waiting by then
+      ::_exit(0);  // gone without a word
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    RCHECK_EQ_STATUS(hcomm_notify_wait(ctx, w, 0, 1, 20000), HCOMM_ERR_PEER_FAILURE);
+    const auto ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+    RCHECK(ms < 2000) << "the wait ended only after " << ms << " ms";
+    RCHECK(std::strstr(hcomm_last_error(), "rank 1") != nullptr) << hcomm_last_error();
+    // Called again, it keeps waiting (until its own timeout here).
+    RCHECK_EQ_STATUS(hcomm_notify_wait(ctx, w, 0, 1, 50), HCOMM_ERR_TIMEOUT);
+    (void)hcomm_finalize(ctx);
+  }, 60);
+  EXPECT_EQ(err, "");
+}
+
 TEST(DeviceLoss, KilledSimulatorFailsPendingAndLaterOperationsWithDeviceError) { device_loss("kill", "hung up"); }
 
 TEST(DeviceLoss, DeviceResetUnderTheDriverFailsPendingAndLaterOperationsWithDeviceError) {

@@ -206,7 +206,8 @@ hcomm_status_t hcomm_accumulate(hcomm_context_t* ctx, const void* local, size_t 
 hcomm_status_t hcomm_put_notify(hcomm_context_t* ctx, const void* local, size_t len, hcomm_rkey_t* rkey,
                                 uint64_t remote_offset, hcomm_rkey_t* notify_rkey, uint64_t notify_offset,
                                 uint64_t value, int timeout_ms);
-/* Target side: waits until the 8-byte word at offset of mem is >= value. */
+/* Target side: waits until the 8-byte word at offset of mem is >= value. A peer that fails during
+ * the wait ends it with HCOMM_ERR_PEER_FAILURE (the word may never come); calling again keeps waiting. */
 hcomm_status_t hcomm_notify_wait(hcomm_context_t* ctx, hcomm_mem_t* mem, uint64_t offset, uint64_t value,
                                  int timeout_ms);
 hcomm_status_t hcomm_fetch_add(hcomm_context_t* ctx, hcomm_rkey_t* rkey, uint64_t remote_offset, uint64_t add,
