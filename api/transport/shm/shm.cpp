@@ -78,8 +78,7 @@ Status ShmTransport::connect(const Deadline& dl) {
     HCOMM_TRY(map_fd(fd, sizeof(ChannelLayout), &chan));
     auto* c = static_cast<ChannelLayout*>(chan);
     for (RingLayout& ring : c->dir)
-      for (uint32_t i = 0; i < kSlots; ++i) ring.slots[i].line.seq.store(i, std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_release);
+      for (uint32_t i = 0; i < kSlots; ++i) ring.slots[i].line.seq.store(i, std::memory_order_release);
     chans[static_cast<size_t>(r)] = c;
   }
   for (int r = 0; r < n; ++r) {
