@@ -7,21 +7,12 @@
 #include <cerrno>
 #include <cstring>
 
+#include "api/wireup/byte_order.h"
+
 namespace hcomm::api::bootwire {
 
-namespace {
-
-void put32(std::string* s, uint32_t v) {
-  uint32_t be = htonl(v);
-  s->append(reinterpret_cast<const char*>(&be), 4);
-}
-uint32_t get32(const char* p) {
-  uint32_t be;
-  std::memcpy(&be, p, 4);
-  return ntohl(be);
-}
-
-}  // namespace
+using wire::get32;
+using wire::put32;
 
 std::string frame(FrameType type, uint32_t seq, const std::string& payload) {
   std::string f;

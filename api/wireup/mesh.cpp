@@ -21,6 +21,7 @@
 #include <string>
 #include <thread>
 
+#include "api/wireup/byte_order.h"
 #include "api/wireup/host.h"
 #include "api/wireup/mesh_wire.h"
 
@@ -450,19 +451,9 @@ Status make_addr(const std::string& name, sockaddr_un* a, socklen_t* len) {
 constexpr auto kHelloWait = std::chrono::seconds(2);
 
 
-void put16(std::string* s, uint16_t v) {
-  v = htons(v);
-  s->append(reinterpret_cast<const char*>(&v), 2);
-}
-void put32(std::string* s, uint32_t v) {
-  v = htonl(v);
-  s->append(reinterpret_cast<const char*>(&v), 4);
-}
-uint32_t get32(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return ntohl(v);
-}
+using wire::get32;
+using wire::put16;
+using wire::put32;
 
 }  // namespace
 

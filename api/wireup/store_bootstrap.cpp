@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "api/wireup/bootstrap.h"
+#include "api/wireup/byte_order.h"
 
 namespace hcomm::api {
 
@@ -22,24 +23,10 @@ static_assert(Bootstrap::kMaxBlob + kValueHeader <= KvStore::kMaxValue, "a blob 
 constexpr auto kAbortPoll = std::chrono::milliseconds(200);
 constexpr size_t kMaxAbortMsg = 4096;
 
-void put32(std::string* s, uint32_t v) {
-  uint32_t be = htonl(v);
-  s->append(reinterpret_cast<const char*>(&be), 4);
-}
-void put16(std::string* s, uint16_t v) {
-  uint16_t be = htons(v);
-  s->append(reinterpret_cast<const char*>(&be), 2);
-}
-uint32_t get32(const char* p) {
-  uint32_t be;
-  std::memcpy(&be, p, 4);
-  return ntohl(be);
-}
-uint16_t get16(const char* p) {
-  uint16_t be;
-  std::memcpy(&be, p, 2);
-  return ntohs(be);
-}
+using wire::get16;
+using wire::get32;
+using wire::put16;
+using wire::put32;
 
 std::string list_ranks(const std::vector<int>& rs) {
   std::string s;
