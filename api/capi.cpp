@@ -53,6 +53,12 @@ struct HandleCache {
 };
 thread_local HandleCache t_handles;
 
+// What a nonblocking call that completed at once hands out (a one-sided call
+// on a synchronous lane): one static, completed handle shared by all of them,
+// so that the call allocates nothing and counts no reference. hcomm_wait,
+// test, cancel and free know it; freeing it (any number of times) is a no-op.
+hcomm_request g_done_handle;
+
 hcomm_status_t new_request(Context& ctx, std::shared_ptr<Request> r, hcomm_request_t** out) {
   hcomm_request* h = nullptr;
   if (!t_handles.dead && t_handles.n > 0) {
@@ -140,21 +146,39 @@ Context::RmaArgs atomic_args(hcomm::api::Rma op, hcomm_rkey_t* rkey, uint64_t of
   return a;
 }
 
+// The one-sided fast path: a call whose lanes are synchronous (shm, cma)
+// runs without the context lock (Context::rma_unlocked) unless a fence is
+// pending; a nonblocking one then hands out the completed handle.
 hcomm_status_t rma_blocking(hcomm_context_t* c, const Context::RmaArgs& a, int timeout_ms) {
-  CTX_OR_FAIL(c);
+  if (c == nullptr || !c->impl) return fail(HCOMM_ERR_INVALID, "null context");
+  Context& ctx = *c->impl;
   if (a.notify_rkey == reinterpret_cast<hcomm_rkey_t*>(1)) return fail(HCOMM_ERR_INVALID, "null notify key");
-  if (ctx.rma_sync(a)) return ret(ctx.rma(a, nullptr));  // synchronous lane: complete at the target on return
+  if (ctx.rma_sync(a) && !ctx.fence_pending()) return ret(ctx.rma_unlocked(a));
+  std::unique_lock lock(ctx.mu());
   std::shared_ptr<Request> r;
   Status st = ctx.rma(a, &r);
+  if (!st || r == nullptr) return ret(st);  // failed, or complete on return
   return run_blocking(ctx, st, r, timeout_ms);
 }
 hcomm_status_t rma_nb(hcomm_context_t* c, const Context::RmaArgs& a, hcomm_request_t** req) {
-  CTX_OR_FAIL(c);
+  if (c == nullptr || !c->impl) return fail(HCOMM_ERR_INVALID, "null context");
+  Context& ctx = *c->impl;
   if (req == nullptr) return fail(HCOMM_ERR_INVALID, "null request pointer");
   if (a.notify_rkey == reinterpret_cast<hcomm_rkey_t*>(1)) return fail(HCOMM_ERR_INVALID, "null notify key");
+  if (ctx.rma_sync(a) && !ctx.fence_pending()) {
+    Status st = ctx.rma_unlocked(a);
+    if (!st) return ret(st);
+    *req = &g_done_handle;
+    return HCOMM_OK;
+  }
+  std::unique_lock lock(ctx.mu());
   std::shared_ptr<Request> r;
   Status st = ctx.rma(a, &r);
   if (!st) return ret(st);
+  if (r == nullptr) {
+    *req = &g_done_handle;
+    return HCOMM_OK;
+  }
   return new_request(ctx, std::move(r), req);
 }
 }  // namespace
@@ -302,6 +326,10 @@ hcomm_status_t hcomm_rkey_release(hcomm_rkey_t* k) {
 // ---- requests ----
 
 hcomm_status_t hcomm_test(hcomm_request_t* req, int* done) {
+  if (req == &g_done_handle && done != nullptr) {
+    *done = 1;
+    return HCOMM_OK;
+  }
   if (req == nullptr || !req->r || done == nullptr) return fail(HCOMM_ERR_INVALID, "null request or done pointer");
   std::unique_lock lock(req->ctx->mu());
   if (!req->r->done()) req->ctx->progress();
@@ -312,8 +340,10 @@ hcomm_status_t hcomm_test(hcomm_request_t* req, int* done) {
 }
 
 hcomm_status_t hcomm_wait(hcomm_request_t* req, int timeout_ms) {
+  if (req == &g_done_handle) return HCOMM_OK;
   if (req == nullptr || !req->r) return fail(HCOMM_ERR_INVALID, "null request");
   std::unique_lock lock(req->ctx->mu());
+  if (req->r->done()) return finished(*req->r);  // no deadline (no clock read) for a finished request
   Status st = req->ctx->wait(*req->r, deadline_of(timeout_ms));
   if (!st) return ret(st);
   if (req->r->status != HCOMM_OK) g_last_error = req->r->error;
@@ -321,6 +351,7 @@ hcomm_status_t hcomm_wait(hcomm_request_t* req, int timeout_ms) {
 }
 
 hcomm_status_t hcomm_request_cancel(hcomm_request_t* req) {
+  if (req == &g_done_handle) return HCOMM_OK;  // completed: nothing to withdraw
   if (req == nullptr || !req->r) return fail(HCOMM_ERR_INVALID, "null request");
   std::unique_lock lock(req->ctx->mu());
   req->ctx->cancel(req->r);
@@ -328,7 +359,7 @@ hcomm_status_t hcomm_request_cancel(hcomm_request_t* req) {
 }
 
 void hcomm_request_free(hcomm_request_t* req) {
-  if (req == nullptr) return;
+  if (req == nullptr || req == &g_done_handle) return;
   if (req->ctx == nullptr) return;  // already freed (and cached): a second free must not cache it twice
   // The context keeps its own reference while the operation runs: freeing a
   // pending request only drops the user's handle (an atomic count; no
@@ -340,6 +371,7 @@ void hcomm_request_free(hcomm_request_t* req) {
 }
 
 hcomm_status_t hcomm_request_recv_info(const hcomm_request_t* req, hcomm_recv_info_t* info) {
+  if (req == &g_done_handle) return fail(HCOMM_ERR_INVALID, "not a receive request");
   if (req == nullptr || !req->r || info == nullptr) return fail(HCOMM_ERR_INVALID, "null request or info");
   if (req->r->kind != Request::Kind::recv) return fail(HCOMM_ERR_INVALID, "not a receive request");
   std::unique_lock lock(req->ctx->mu());

@@ -545,8 +545,8 @@ void Context::check_peers(bool force) {
 
 void Context::peer_failed(Peer& p, const std::string& why) {
   if (!p.alive) return;
-  p.alive = false;
   p.why_dead = "rank " + std::to_string(p.rank) + ": " + why;
+  p.alive = false;  // after why_dead: the unlocked fast path reads it once it sees this
   ++_peers_failed;
   _last_failure = p.why_dead;
   for (auto& t : _transports) t->peer_failed(p.rank, p.why_dead);

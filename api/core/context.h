@@ -89,9 +89,26 @@ struct Unexpected {
   std::vector<uint8_t> payload;  // eager only
 };
 
+// A flag the one-sided fast path reads without the context lock (written
+// under it): acquire/release, copyable so that Peer stays a vector element.
+class SharedFlag {
+ public:
+  SharedFlag(bool v = false) : _v(v) {}  // NOLINT(google-explicit-constructor)
+  SharedFlag(const SharedFlag& o) : _v(o._v.load(std::memory_order_acquire)) {}
+  SharedFlag& operator=(const SharedFlag& o) { return *this = static_cast<bool>(o); }
+  SharedFlag& operator=(bool v) {
+    _v.store(v, std::memory_order_release);
+    return *this;
+  }
+  operator bool() const { return _v.load(std::memory_order_acquire); }  // NOLINT(google-explicit-constructor)
+
+ private:
+  std::atomic<bool> _v;
+};
+
 struct Peer {
   int rank = -1;
-  bool alive = true;
+  SharedFlag alive = true;  // why_dead is written before alive turns false
   bool same_host = true;
   std::string host;  // host identity (api/wireup/host.h)
   std::string why_dead;
@@ -134,6 +151,11 @@ class Context final : public AmSink {
   Status rkey_release(hcomm_rkey* k);
   hcomm_mem* mem_at_slot(uint32_t slot) const { return slot < _mems.size() ? _mems[slot] : nullptr; }
   const hcomm_mem* find_local(const void* p, size_t len) const;
+  // find_local without the caller holding the lock: a per-thread cache of the
+  // last hit, valid while no registration changed since (_mem_epoch); a miss
+  // takes the lock. Transports on the unlocked path never dereference the
+  // result (it only proves the buffer was registered).
+  const hcomm_mem* find_local_unlocked(const void* p, size_t len);
 
   // one-sided (api/proto/rma.cpp); returns a request (maybe already
   // complete). out == nullptr: the caller blocks; on a synchronous lane the
@@ -153,11 +175,19 @@ class Context final : public AmSink {
     uint64_t notify_value = 0;
   };
   Status rma(const RmaArgs& a, std::shared_ptr<Request>* out);
-  // Whether a blocking call of a on its key's lane completes inside rma().
+  // Whether a call of a on its key's lanes completes inside rma().
   bool rma_sync(const RmaArgs& a) const;
+  // The fast path (docs/api.md, "Threads"): a on synchronous lanes (shm,
+  // cma), checked and run WITHOUT the context lock, complete at the target
+  // when it returns. Callers: rma_sync(a) && !fence_pending(). It reads only
+  // what stays put after init (peers, lanes, mappings, the owners' tables),
+  // the caller's key, atomics (peer liveness, the registration epoch) and a
+  // per-thread cache; anything else takes the locked path.
+  Status rma_unlocked(const RmaArgs& a);
+  bool fence_pending() const { return _fence_next.load(std::memory_order_acquire); }
   Status notify_wait(hcomm_mem* m, uint64_t off, uint64_t value, const Deadline& dl);
   Status flush(int peer, const Deadline& dl);
-  void fence() { _fence_next = true; }
+  void fence() { _fence_next.store(true, std::memory_order_release); }
 
   // two-sided (api/proto/tag.cpp)
   Status isend(int dest, const void* buf, size_t len, uint64_t tag, std::shared_ptr<Request>* out);
@@ -196,6 +226,10 @@ class Context final : public AmSink {
   void check_peers(bool force);
   void peer_failed(Peer& p, const std::string& why);
   Status check_key(hcomm_rkey* k, uint64_t off, uint64_t len, unsigned need) const;
+  // Argument and key checks of a one-sided call; fills op and the lanes.
+  Status rma_check(const RmaArgs& a, bool locked, RmaOp* op, Transport** lane, Transport** nlane);
+  // Runs a checked call on synchronous lanes: the data, then the word.
+  static Status rma_run_sync(const RmaArgs& a, const RmaOp& op, Transport* lane, Transport* nlane);
   // Waits until done() with progress; false at the deadline. Releases _mu while napping.
   bool spin_wait(const std::function<bool()>& done, bool progress_each_round, const Deadline& dl);
   void flush_owed(const Deadline& dl);
@@ -245,20 +279,17 @@ class Context final : public AmSink {
   std::vector<hcomm_mem*> _mems;              // by slot
   std::vector<uint32_t> _slot_gen;            // generation per slot: odd while registered
   std::map<uintptr_t, hcomm_mem*> _by_addr;   // CPU-visible registrations by start address
+  // Changes (to a value no context used before) whenever a registration
+  // comes or goes: find_local_unlocked's per-thread cache is valid while it
+  // holds the value it was filled under.
+  std::atomic<uint64_t> _mem_epoch{0};
+  void mem_changed();
   // requests
   uint64_t _next_id = 1;
   uint64_t _peers_failed = 0;  // peers declared failed so far (notify_wait ends on a new one)
   std::string _last_failure;    // the latest one's why_dead
   std::vector<pollfd> _check_pfds;  // check_peers, reused
   std::vector<Peer*> _check_who;
-  // What a nonblocking one-sided call that completed at once (a synchronous
-  // lane: shm, cma) hands out: one immutable, completed request shared by
-  // all of them, so that the call allocates nothing.
-  const std::shared_ptr<Request> _done_rma = [] {
-    auto r = std::make_shared<Request>();
-    r->complete(HCOMM_OK);
-    return r;
-  }();
   std::map<uint64_t, std::shared_ptr<Request>> _pending_sends;  // rendezvous awaiting FIN
   std::list<std::shared_ptr<Request>> _posted;                   // receives
   std::list<Unexpected> _unexpected;
@@ -288,7 +319,7 @@ class Context final : public AmSink {
   Clock::time_point _last_check{};
   std::chrono::milliseconds _peer_check{1};
   uint32_t _progress_calls = 0;
-  bool _fence_next = false;
+  std::atomic<bool> _fence_next{false};
   bool _finalized = false;
   bool _closing = false;
 };

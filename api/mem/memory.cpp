@@ -87,6 +87,7 @@ Status Context::add_mem(std::unique_ptr<hcomm_mem> m, hcomm_mem** out) {
   }
   _mems[slot] = m.get();
   if (m->ptr != nullptr) _by_addr[reinterpret_cast<uintptr_t>(m->ptr)] = m.get();
+  mem_changed();
   *out = m.release();
   return Status::ok();
 }
@@ -101,6 +102,7 @@ Status Context::mem_release(hcomm_mem* m) {
   for (auto it = _transports.rbegin(); it != _transports.rend(); ++it) (*it)->mem_remove(*m);
   _mems[m->slot] = nullptr;
   if (m->ptr != nullptr) _by_addr.erase(reinterpret_cast<uintptr_t>(m->ptr));
+  mem_changed();
   delete m;
   return Status::ok();
 }
@@ -237,6 +239,36 @@ const hcomm_mem* Context::find_local(const void* p, size_t len) const {
   const hcomm_mem* m = std::prev(it)->second;
   auto b = reinterpret_cast<uintptr_t>(m->ptr);
   return a - b <= m->size && len <= m->size - (a - b) ? m : nullptr;
+}
+
+namespace {
+// Epochs are unique across contexts, so that a context created where a
+// finalized one lived never matches the old one's cache entries.
+std::atomic<uint64_t> g_mem_epochs{0};
+struct LocalHit {
+  const Context* ctx = nullptr;
+  uint64_t epoch = 0;
+  uintptr_t base = 0;
+  size_t size = 0;
+  const hcomm_mem* m = nullptr;
+};
+thread_local LocalHit t_local_hit;
+}  // namespace
+
+void Context::mem_changed() {
+  _mem_epoch.store(g_mem_epochs.fetch_add(1, std::memory_order_relaxed) + 1, std::memory_order_release);
+}
+
+const hcomm_mem* Context::find_local_unlocked(const void* p, size_t len) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  const LocalHit& h = t_local_hit;
+  if (h.ctx == this && h.epoch == _mem_epoch.load(std::memory_order_acquire) && a - h.base <= h.size &&
+      len <= h.size - (a - h.base))
+    return h.m;
+  std::lock_guard lock(_mu);
+  const hcomm_mem* m = find_local(p, len);
+  if (m != nullptr) t_local_hit = LocalHit{this, _mem_epoch.load(std::memory_order_relaxed), reinterpret_cast<uintptr_t>(m->ptr), m->size, m};
+  return m;
 }
 
 }  // namespace hcomm::api

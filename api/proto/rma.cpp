@@ -25,7 +25,7 @@ bool Context::rma_sync(const RmaArgs& a) const {
           (a.notify_rkey->ctx == this && a.notify_rkey->lane != nullptr && a.notify_rkey->lane->caps().sync));
 }
 
-Status Context::rma(const RmaArgs& a, std::shared_ptr<Request>* out) {
+Status Context::rma_check(const RmaArgs& a, bool locked, RmaOp* opp, Transport** lanep, Transport** nlanep) {
   unsigned need = 0;
   switch (a.op) {
     case Rma::put: need = HCOMM_ACCESS_REMOTE_WRITE; break;
@@ -65,7 +65,7 @@ Status Context::rma(const RmaArgs& a, std::shared_ptr<Request>* out) {
       return Status::error(Code::unsupported, "put_notify: data (%s) and notify word (%s) on lanes that cannot order them",
                            lane->name(), nlane->name());
   }
-  RmaOp op;
+  RmaOp& op = *opp;
   op.op = a.op;
   op.local = a.local;
   op.len = len;
@@ -77,34 +77,49 @@ Status Context::rma(const RmaArgs& a, std::shared_ptr<Request>* out) {
   op.compare = a.compare;
   op.old_value = a.old_value;
   if (!atomic) {
-    op.local_mem = find_local(a.local, len);
+    op.local_mem = locked ? find_local(a.local, len) : find_local_unlocked(a.local, len);
     if (op.local_mem == nullptr)
       return Status::error(Code::invalid_argument,
                            "local buffer [%p,+%zu) is not inside memory registered with this context",
                            static_cast<const void*>(a.local), len);
   }
+  *lanep = lane;
+  *nlanep = nlane;
+  return Status::ok();
+}
+
+Status Context::rma_run_sync(const RmaArgs& a, const RmaOp& op, Transport* lane, Transport* nlane) {
+  // Complete at the target when each call returns: the data, then the word.
+  Status st = lane->rma(op, nullptr);
+  if (st && nlane != nullptr) {
+    RmaOp w;
+    w.op = Rma::notify;
+    w.rkey = a.notify_rkey;
+    w.roff = a.notify_off;
+    w.operand = a.notify_value;
+    st = nlane->rma(w, nullptr);
+  }
+  return st;
+}
+
+Status Context::rma_unlocked(const RmaArgs& a) {
+  RmaOp op;
+  Transport* lane = nullptr;
+  Transport* nlane = nullptr;
+  HCOMM_TRY(rma_check(a, false, &op, &lane, &nlane));
+  return rma_run_sync(a, op, lane, nlane);
+}
+
+Status Context::rma(const RmaArgs& a, std::shared_ptr<Request>* out) {
+  RmaOp op;
+  Transport* lane = nullptr;
+  Transport* nlane = nullptr;
+  HCOMM_TRY(rma_check(a, true, &op, &lane, &nlane));
   if (lane->caps().sync) {
-    // Complete at the target when each call returns: the data, then the word.
-    Status st = lane->rma(op, nullptr);
-    if (st && nlane != nullptr) {
-      RmaOp w;
-      w.op = Rma::notify;
-      w.rkey = a.notify_rkey;
-      w.roff = a.notify_off;
-      w.operand = a.notify_value;
-      st = nlane->rma(w, nullptr);
-    }
-    if (out != nullptr && st) {
-      *out = _done_rma;  // immutable and complete: shared, nothing allocated
-    } else if (out != nullptr) {
-      auto r = std::make_shared<Request>();
-      r->kind = Request::Kind::rma;
-      r->peer = a.rkey->peer;
-      r->id = _next_id++;
-      r->complete(st ? HCOMM_OK : to_hcomm(st.code()), st.message());
-      *out = std::move(r);
-    }
-    return st;
+    // hcomm_fence: what asynchronous lanes hold from before completes first.
+    if (_fence_next.exchange(false, std::memory_order_acq_rel)) HCOMM_TRY(flush(-1, Deadline::after_ms(30000)));
+    if (out != nullptr) out->reset();  // complete on return: no request
+    return rma_run_sync(a, op, lane, nlane);
   }
   auto r = std::make_shared<Request>();
   r->kind = Request::Kind::rma;
@@ -118,9 +133,9 @@ Status Context::rma(const RmaArgs& a, std::shared_ptr<Request>* out) {
   // so its FENCE flag is context-wide; any other asynchronous lane (verbs:
   // IBV_SEND_FENCE orders one queue pair only) first completes everything
   // issued before, on every lane.
-  if (_fence_next && lane->id() != TransportId::npu) HCOMM_TRY(flush(-1, Deadline::after_ms(30000)));
-  op.fence = _fence_next;
-  _fence_next = false;
+  const bool fence = _fence_next.exchange(false, std::memory_order_acq_rel);
+  if (fence && lane->id() != TransportId::npu) HCOMM_TRY(flush(-1, Deadline::after_ms(30000)));
+  op.fence = fence;
   return lane->rma(op, r);
 }
 

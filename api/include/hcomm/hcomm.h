@@ -7,7 +7,9 @@
  * every call returns an hcomm_status_t; every wait takes a timeout.
  *
  * Threading: a context may be used from several threads; calls on one
- * context are serialised internally.
+ * context are serialised internally, except one-sided calls on a synchronous
+ * lane (shm, cma: same host), which run side by side without the context's
+ * lock (docs/api.md, "Threads").
  *
  * ABI: this header is versioned (HCOMM_API_VERSION). Structs passed in carry
  * their own size so later versions can grow them.
@@ -215,7 +217,9 @@ hcomm_status_t hcomm_fetch_add(hcomm_context_t* ctx, hcomm_rkey_t* rkey, uint64_
 hcomm_status_t hcomm_compare_swap(hcomm_context_t* ctx, hcomm_rkey_t* rkey, uint64_t remote_offset,
                                   uint64_t compare, uint64_t swap, uint64_t* old_value, int timeout_ms);
 
-/* Nonblocking forms: the request completes when the operation completed at the target. */
+/* Nonblocking forms: the request completes when the operation completed at the target. An
+ * operation that completed before the call returned (a synchronous lane: shm, cma) gets a shared,
+ * already completed handle: wait, test, cancel and free work on it as on any (free is a no-op). */
 hcomm_status_t hcomm_iput(hcomm_context_t* ctx, const void* local, size_t len, hcomm_rkey_t* rkey,
                           uint64_t remote_offset, hcomm_request_t** req);
 hcomm_status_t hcomm_iget(hcomm_context_t* ctx, void* local, size_t len, hcomm_rkey_t* rkey,
