@@ -149,24 +149,31 @@ Context::RmaArgs atomic_args(hcomm::api::Rma op, hcomm_rkey_t* rkey, uint64_t of
 // The one-sided fast path: a call whose lanes are synchronous (shm, cma)
 // runs without the context lock (Context::rma_unlocked) unless a fence is
 // pending; a nonblocking one then hands out the completed handle.
-hcomm_status_t rma_blocking(hcomm_context_t* c, const Context::RmaArgs& a, int timeout_ms) {
+Status rma_unlocked(Context& ctx, Context::RmaArgs& a) {
+  if (ctx.rma_fast_checks(a)) {
+    const bool atomic = a.op == hcomm::api::Rma::fetch_add || a.op == hcomm::api::Rma::cswap;
+    return (atomic ? a.rkey->alane : a.rkey->lane)->rma(a, nullptr);
+  }
+  return ctx.rma_unlocked(a);  // checks again, words the error; fills the lookup cache
+}
+hcomm_status_t rma_blocking(hcomm_context_t* c, Context::RmaArgs& a, int timeout_ms) {
   if (c == nullptr || !c->impl) return fail(HCOMM_ERR_INVALID, "null context");
   Context& ctx = *c->impl;
   if (a.notify_rkey == reinterpret_cast<hcomm_rkey_t*>(1)) return fail(HCOMM_ERR_INVALID, "null notify key");
-  if (ctx.rma_sync(a) && !ctx.fence_pending()) return ret(ctx.rma_unlocked(a));
+  if (ctx.rma_sync(a) && !ctx.fence_pending()) return ret(rma_unlocked(ctx, a));
   std::unique_lock lock(ctx.mu());
   std::shared_ptr<Request> r;
   Status st = ctx.rma(a, &r);
   if (!st || r == nullptr) return ret(st);  // failed, or complete on return
   return run_blocking(ctx, st, r, timeout_ms);
 }
-hcomm_status_t rma_nb(hcomm_context_t* c, const Context::RmaArgs& a, hcomm_request_t** req) {
+hcomm_status_t rma_nb(hcomm_context_t* c, Context::RmaArgs& a, hcomm_request_t** req) {
   if (c == nullptr || !c->impl) return fail(HCOMM_ERR_INVALID, "null context");
   Context& ctx = *c->impl;
   if (req == nullptr) return fail(HCOMM_ERR_INVALID, "null request pointer");
   if (a.notify_rkey == reinterpret_cast<hcomm_rkey_t*>(1)) return fail(HCOMM_ERR_INVALID, "null notify key");
   if (ctx.rma_sync(a) && !ctx.fence_pending()) {
-    Status st = ctx.rma_unlocked(a);
+    Status st = rma_unlocked(ctx, a);
     if (!st) return ret(st);
     *req = &g_done_handle;
     return HCOMM_OK;
@@ -385,11 +392,13 @@ hcomm_status_t hcomm_request_recv_info(const hcomm_request_t* req, hcomm_recv_in
 
 hcomm_status_t hcomm_put(hcomm_context_t* c, const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off,
                          int timeout_ms) {
-  return rma_blocking(c, put_args(local, len, rkey, off), timeout_ms);
+  Context::RmaArgs a = put_args(local, len, rkey, off);
+  return rma_blocking(c, a, timeout_ms);
 }
 hcomm_status_t hcomm_get(hcomm_context_t* c, void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off,
                          int timeout_ms) {
-  return rma_blocking(c, get_args(local, len, rkey, off), timeout_ms);
+  Context::RmaArgs a = get_args(local, len, rkey, off);
+  return rma_blocking(c, a, timeout_ms);
 }
 hcomm_status_t hcomm_accumulate(hcomm_context_t* c, const void* local, size_t count, hcomm_dtype_t dt, hcomm_op_t op,
                                 hcomm_rkey_t* rkey, uint64_t off, int timeout_ms) {
@@ -400,23 +409,28 @@ hcomm_status_t hcomm_accumulate(hcomm_context_t* c, const void* local, size_t co
 }
 hcomm_status_t hcomm_put_notify(hcomm_context_t* c, const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off,
                                 hcomm_rkey_t* nk, uint64_t noff, uint64_t value, int timeout_ms) {
-  return rma_blocking(c, notify_args(local, len, rkey, off, nk, noff, value), timeout_ms);
+  Context::RmaArgs a = notify_args(local, len, rkey, off, nk, noff, value);
+  return rma_blocking(c, a, timeout_ms);
 }
 hcomm_status_t hcomm_fetch_add(hcomm_context_t* c, hcomm_rkey_t* rkey, uint64_t off, uint64_t add, uint64_t* old,
                                int timeout_ms) {
-  return rma_blocking(c, atomic_args(hcomm::api::Rma::fetch_add, rkey, off, add, 0, old), timeout_ms);
+  Context::RmaArgs a = atomic_args(hcomm::api::Rma::fetch_add, rkey, off, add, 0, old);
+  return rma_blocking(c, a, timeout_ms);
 }
 hcomm_status_t hcomm_compare_swap(hcomm_context_t* c, hcomm_rkey_t* rkey, uint64_t off, uint64_t compare,
                                   uint64_t swap, uint64_t* old, int timeout_ms) {
-  return rma_blocking(c, atomic_args(hcomm::api::Rma::cswap, rkey, off, swap, compare, old), timeout_ms);
+  Context::RmaArgs a = atomic_args(hcomm::api::Rma::cswap, rkey, off, swap, compare, old);
+  return rma_blocking(c, a, timeout_ms);
 }
 hcomm_status_t hcomm_iput(hcomm_context_t* c, const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off,
                           hcomm_request_t** req) {
-  return rma_nb(c, put_args(local, len, rkey, off), req);
+  Context::RmaArgs a = put_args(local, len, rkey, off);
+  return rma_nb(c, a, req);
 }
 hcomm_status_t hcomm_iget(hcomm_context_t* c, void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off,
                           hcomm_request_t** req) {
-  return rma_nb(c, get_args(local, len, rkey, off), req);
+  Context::RmaArgs a = get_args(local, len, rkey, off);
+  return rma_nb(c, a, req);
 }
 hcomm_status_t hcomm_iaccumulate(hcomm_context_t* c, const void* local, size_t count, hcomm_dtype_t dt, hcomm_op_t op,
                                  hcomm_rkey_t* rkey, uint64_t off, hcomm_request_t** req) {
@@ -427,15 +441,18 @@ hcomm_status_t hcomm_iaccumulate(hcomm_context_t* c, const void* local, size_t c
 }
 hcomm_status_t hcomm_iput_notify(hcomm_context_t* c, const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off,
                                  hcomm_rkey_t* nk, uint64_t noff, uint64_t value, hcomm_request_t** req) {
-  return rma_nb(c, notify_args(local, len, rkey, off, nk, noff, value), req);
+  Context::RmaArgs a = notify_args(local, len, rkey, off, nk, noff, value);
+  return rma_nb(c, a, req);
 }
 hcomm_status_t hcomm_ifetch_add(hcomm_context_t* c, hcomm_rkey_t* rkey, uint64_t off, uint64_t add, uint64_t* old,
                                 hcomm_request_t** req) {
-  return rma_nb(c, atomic_args(hcomm::api::Rma::fetch_add, rkey, off, add, 0, old), req);
+  Context::RmaArgs a = atomic_args(hcomm::api::Rma::fetch_add, rkey, off, add, 0, old);
+  return rma_nb(c, a, req);
 }
 hcomm_status_t hcomm_icompare_swap(hcomm_context_t* c, hcomm_rkey_t* rkey, uint64_t off, uint64_t compare,
                                    uint64_t swap, uint64_t* old, hcomm_request_t** req) {
-  return rma_nb(c, atomic_args(hcomm::api::Rma::cswap, rkey, off, swap, compare, old), req);
+  Context::RmaArgs a = atomic_args(hcomm::api::Rma::cswap, rkey, off, swap, compare, old);
+  return rma_nb(c, a, req);
 }
 
 hcomm_status_t hcomm_notify_wait(hcomm_context_t* c, hcomm_mem_t* mem, uint64_t off, uint64_t value, int timeout_ms) {

@@ -436,6 +436,10 @@ class Bench {
       }
     };
     uint64_t notified = 0;
+    // The operation, decided once (not by string compares inside the window).
+    enum class Op { put, get, acc, put_notify, fetch_add };
+    const Op op = t == "put" ? Op::put : t == "get" ? Op::get : t == "acc" ? Op::acc
+                : t == "put_notify" ? Op::put_notify : Op::fetch_add;
     for (long i = 0; i < total; ++i) {
       auto t0 = Clock::now();
       if (t == "memcpy") {
@@ -458,14 +462,17 @@ class Bench {
       } else {
         if (!init) break;  // one-sided: the target waits in the barrier below
         hcomm_rkey_t* k = _key[_peer].get();
+        uint8_t* src = local();
         for (int j = 0; j < win; ++j) {
           hcomm_status_t s = HCOMM_OK;
-          if (t == "put") s = hcomm_iput(c, local(), n, k, 0, &reqs[j]);
-          else if (t == "get") s = hcomm_iget(c, local(), n, k, 0, &reqs[j]);
-          else if (t == "acc") s = hcomm_iaccumulate(c, local(), n / 4, HCOMM_FP32, HCOMM_SUM, k, 0, &reqs[j]);
-          else if (t == "put_notify") s = hcomm_iput_notify(c, local(), n, k, 0, k, _flags, ++notified, &reqs[j]);
-          else s = hcomm_ifetch_add(c, k, _flags + 16, 1, &olds[j], &reqs[j]);
-          hcomm::check(s, t.c_str());
+          switch (op) {
+            case Op::put: s = hcomm_iput(c, src, n, k, 0, &reqs[j]); break;
+            case Op::get: s = hcomm_iget(c, src, n, k, 0, &reqs[j]); break;
+            case Op::acc: s = hcomm_iaccumulate(c, src, n / 4, HCOMM_FP32, HCOMM_SUM, k, 0, &reqs[j]); break;
+            case Op::put_notify: s = hcomm_iput_notify(c, src, n, k, 0, k, _flags, ++notified, &reqs[j]); break;
+            case Op::fetch_add: s = hcomm_ifetch_add(c, k, _flags + 16, 1, &olds[j], &reqs[j]); break;
+          }
+          if (s != HCOMM_OK) hcomm::check(s, t.c_str());
         }
         wait_all();
       }

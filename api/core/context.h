@@ -123,6 +123,17 @@ struct Peer {
 using meshwire::CtrlMsg;
 using meshwire::CtrlType;
 
+// find_local_unlocked's per-thread cache: the last registration a local
+// buffer was found in, valid while the context's _mem_epoch is `epoch`.
+struct LocalHit {
+  const Context* ctx = nullptr;
+  uint64_t epoch = 0;
+  uintptr_t base = 0;
+  size_t size = 0;
+  const hcomm_mem* m = nullptr;
+};
+extern constinit thread_local LocalHit t_local_hit;
+
 class Context final : public AmSink {
  public:
   static Status create(const hcomm_config_t& cfg, std::unique_ptr<Context>* out);
@@ -160,30 +171,29 @@ class Context final : public AmSink {
   // one-sided (api/proto/rma.cpp); returns a request (maybe already
   // complete). out == nullptr: the caller blocks; on a synchronous lane the
   // operation then runs without a request and is complete when this returns.
-  struct RmaArgs {
-    Rma op = Rma::put;
-    uint8_t* local = nullptr;
-    size_t len = 0;  // bytes
-    hcomm_rkey* rkey = nullptr;
-    uint64_t roff = 0;
-    hcomm_dtype_t dtype = HCOMM_INT8;
-    hcomm_op_t redop = HCOMM_SUM;
-    uint64_t operand = 0, compare = 0;
-    uint64_t* old_value = nullptr;
-    hcomm_rkey* notify_rkey = nullptr;  // put_notify
-    uint64_t notify_off = 0;
-    uint64_t notify_value = 0;
-  };
-  Status rma(const RmaArgs& a, std::shared_ptr<Request>* out);
-  // Whether a call of a on its key's lanes completes inside rma().
-  bool rma_sync(const RmaArgs& a) const;
+  // A call's arguments are an RmaOp (api/transport/transport.h) the checks
+  // complete in place (len of an atomic, local_mem).
+  using RmaArgs = RmaOp;
+  Status rma(RmaArgs& a, std::shared_ptr<Request>* out);
+  // Whether a call of a on its keys' lanes completes inside rma() (fixed
+  // per key at import: hcomm_rkey::sync).
+  bool rma_sync(const RmaArgs& a) const {
+    return a.rkey != nullptr && a.rkey->ctx == this && a.rkey->sync &&
+           (a.notify_rkey == nullptr || (a.notify_rkey->ctx == this && a.notify_rkey->sync));
+  }
   // The fast path (docs/api.md, "Threads"): a on synchronous lanes (shm,
   // cma), checked and run WITHOUT the context lock, complete at the target
   // when it returns. Callers: rma_sync(a) && !fence_pending(). It reads only
   // what stays put after init (peers, lanes, mappings, the owners' tables),
   // the caller's key, atomics (peer liveness, the registration epoch) and a
   // per-thread cache; anything else takes the locked path.
-  Status rma_unlocked(const RmaArgs& a);
+  Status rma_unlocked(RmaArgs& a);
+  // The fast path's own checks, inline and with no message built: true when
+  // a (put, get or a fetch atomic on a key whose lanes validate against the
+  // node registry; no notify, no pending fence, the local buffer in this
+  // thread's lookup cache) may run now on a.rkey's lane. False says nothing
+  // about why: rma_unlocked checks again and words any error.
+  bool rma_fast_checks(RmaArgs& a) const;
   bool fence_pending() const { return _fence_next.load(std::memory_order_acquire); }
   Status notify_wait(hcomm_mem* m, uint64_t off, uint64_t value, const Deadline& dl);
   Status flush(int peer, const Deadline& dl);
@@ -227,9 +237,9 @@ class Context final : public AmSink {
   void peer_failed(Peer& p, const std::string& why);
   Status check_key(hcomm_rkey* k, uint64_t off, uint64_t len, unsigned need) const;
   // Argument and key checks of a one-sided call; fills op and the lanes.
-  Status rma_check(const RmaArgs& a, bool locked, RmaOp* op, Transport** lane, Transport** nlane);
+  Status rma_check(RmaArgs& a, bool locked, Transport** lane, Transport** nlane);
   // Runs a checked call on synchronous lanes: the data, then the word.
-  static Status rma_run_sync(const RmaArgs& a, const RmaOp& op, Transport* lane, Transport* nlane);
+  static Status rma_run_sync(const RmaArgs& a, Transport* lane, Transport* nlane);
   // Waits until done() with progress; false at the deadline. Releases _mu while napping.
   bool spin_wait(const std::function<bool()>& done, bool progress_each_round, const Deadline& dl);
   void flush_owed(const Deadline& dl);
@@ -323,6 +333,35 @@ class Context final : public AmSink {
   bool _finalized = false;
   bool _closing = false;
 };
+
+inline bool Context::rma_fast_checks(RmaArgs& a) const {
+  const hcomm_rkey& k = *a.rkey;
+  if (a.notify_rkey != nullptr || k.live_gen == nullptr || fence_pending()) return false;
+  unsigned need = 0;
+  switch (a.op) {
+    case Rma::put: need = HCOMM_ACCESS_REMOTE_WRITE; break;
+    case Rma::get: need = HCOMM_ACCESS_REMOTE_READ; break;
+    case Rma::fetch_add:
+    case Rma::cswap:
+      if (a.old_value == nullptr || a.roff % 8 != 0) return false;
+      a.len = 8;
+      need = HCOMM_ACCESS_REMOTE_ATOMIC;
+      break;
+    default: return false;
+  }
+  if (a.roff > k.h.size || a.len > k.h.size - a.roff || (k.h.rights & need) != need) return false;
+  if (k.live_gen->load(std::memory_order_acquire) != k.h.gen) return false;  // revoked
+  if (k.peer != _rank && !_peers[static_cast<size_t>(k.peer)].alive) return false;
+  if (need == HCOMM_ACCESS_REMOTE_ATOMIC) return true;
+  if (a.local == nullptr || a.len == 0) return false;
+  const LocalHit& h = t_local_hit;
+  const auto p = reinterpret_cast<uintptr_t>(a.local);
+  if (h.ctx != this || h.epoch != _mem_epoch.load(std::memory_order_acquire) || p - h.base > h.size ||
+      a.len > h.size - (p - h.base))
+    return false;
+  a.local_mem = h.m;
+  return true;
+}
 
 }  // namespace hcomm::api
 

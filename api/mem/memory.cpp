@@ -198,6 +198,9 @@ Status Context::rkey_import(int peer, const void* buf, size_t len, hcomm_rkey** 
             k->alane = _verbs;
           }
         }
+        k->sync = k->lane->caps().sync && k->alane->caps().sync;
+        auto node = [](const Transport* x) { return x->id() == TransportId::shm || x->id() == TransportId::cma; };
+        if (_shm != nullptr && node(k->lane) && node(k->alane)) k->live_gen = _shm->gen_word(peer, h.slot);
         *out = k.release();
         return Status::ok();
       }
@@ -225,8 +228,14 @@ Status Context::check_key(hcomm_rkey* k, uint64_t off, uint64_t len, unsigned ne
                          static_cast<unsigned long>(k->h.size));
   if ((k->h.rights & need) != need)
     return Status::error(Code::access_denied, "the key lacks the right (has %#x, needs %#x)", k->h.rights, need);
-  HCOMM_TRY(k->lane->validate(*k));
-  if (k->alane != k->lane) HCOMM_TRY(k->alane->validate(*k));
+  if (k->live_gen != nullptr) {
+    // shm / cma: the owner's live generation (what their validate() reads).
+    if (k->live_gen->load(std::memory_order_acquire) != k->h.gen)
+      return Status::error(Code::access_denied, "the key was revoked by rank %d", k->peer);
+  } else {
+    HCOMM_TRY(k->lane->validate(*k));
+    if (k->alane != k->lane) HCOMM_TRY(k->alane->validate(*k));
+  }
   const Peer& p = _peers[static_cast<size_t>(k->peer)];
   if (k->peer != _rank && !p.alive) return Status(Code::peer_failure, p.why_dead);
   return Status::ok();
@@ -245,15 +254,9 @@ namespace {
 // Epochs are unique across contexts, so that a context created where a
 // finalized one lived never matches the old one's cache entries.
 std::atomic<uint64_t> g_mem_epochs{0};
-struct LocalHit {
-  const Context* ctx = nullptr;
-  uint64_t epoch = 0;
-  uintptr_t base = 0;
-  size_t size = 0;
-  const hcomm_mem* m = nullptr;
-};
-thread_local LocalHit t_local_hit;
 }  // namespace
+
+constinit thread_local LocalHit t_local_hit;
 
 void Context::mem_changed() {
   _mem_epoch.store(g_mem_epochs.fetch_add(1, std::memory_order_relaxed) + 1, std::memory_order_release);

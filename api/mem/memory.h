@@ -14,6 +14,7 @@
 // the first RMA lane of that peer whose transport has a section in it.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 #include "api/include/hcomm/hcomm.h"
@@ -77,4 +78,10 @@ struct hcomm_rkey {
   // on other hosts reach this memory through the NIC, every rank's atomics
   // on it go through the NIC too (verbs), whatever lane moves its puts.
   hcomm::api::Transport* alane = nullptr;
+  // Fixed at import, for the one-sided fast path (docs/api.md, "Threads"):
+  // every lane of this key completes inside the call (shm, cma), and the
+  // owner's generation word in the node registry when every lane of the key
+  // validates against it (null: ask the lanes).
+  bool sync = false;
+  const std::atomic<uint32_t>* live_gen = nullptr;
 };

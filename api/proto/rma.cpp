@@ -19,13 +19,7 @@ Transport* lane_of(const hcomm_rkey& k, Rma op) {
 }
 }  // namespace
 
-bool Context::rma_sync(const RmaArgs& a) const {
-  return a.rkey != nullptr && a.rkey->ctx == this && a.rkey->lane != nullptr && lane_of(*a.rkey, a.op)->caps().sync &&
-         (a.notify_rkey == nullptr ||
-          (a.notify_rkey->ctx == this && a.notify_rkey->lane != nullptr && a.notify_rkey->lane->caps().sync));
-}
-
-Status Context::rma_check(const RmaArgs& a, bool locked, RmaOp* opp, Transport** lanep, Transport** nlanep) {
+Status Context::rma_check(RmaArgs& a, bool locked, Transport** lanep, Transport** nlanep) {
   unsigned need = 0;
   switch (a.op) {
     case Rma::put: need = HCOMM_ACCESS_REMOTE_WRITE; break;
@@ -36,7 +30,8 @@ Status Context::rma_check(const RmaArgs& a, bool locked, RmaOp* opp, Transport**
     case Rma::notify: return Status::error(Code::invalid_argument, "notify is part of put_notify");
   }
   const bool atomic = a.op == Rma::fetch_add || a.op == Rma::cswap;
-  const size_t len = atomic ? 8 : a.len;
+  if (atomic) a.len = 8;
+  const size_t len = a.len;
   if (!atomic && (a.local == nullptr || len == 0))
     return Status::error(Code::invalid_argument, "null local buffer or zero length");
   if (atomic && a.old_value == nullptr) return Status::error(Code::invalid_argument, "null old_value");
@@ -65,20 +60,9 @@ Status Context::rma_check(const RmaArgs& a, bool locked, RmaOp* opp, Transport**
       return Status::error(Code::unsupported, "put_notify: data (%s) and notify word (%s) on lanes that cannot order them",
                            lane->name(), nlane->name());
   }
-  RmaOp& op = *opp;
-  op.op = a.op;
-  op.local = a.local;
-  op.len = len;
-  op.rkey = a.rkey;
-  op.roff = a.roff;
-  op.dtype = a.dtype;
-  op.redop = a.redop;
-  op.operand = a.operand;
-  op.compare = a.compare;
-  op.old_value = a.old_value;
   if (!atomic) {
-    op.local_mem = locked ? find_local(a.local, len) : find_local_unlocked(a.local, len);
-    if (op.local_mem == nullptr)
+    a.local_mem = locked ? find_local(a.local, len) : find_local_unlocked(a.local, len);
+    if (a.local_mem == nullptr)
       return Status::error(Code::invalid_argument,
                            "local buffer [%p,+%zu) is not inside memory registered with this context",
                            static_cast<const void*>(a.local), len);
@@ -88,9 +72,9 @@ Status Context::rma_check(const RmaArgs& a, bool locked, RmaOp* opp, Transport**
   return Status::ok();
 }
 
-Status Context::rma_run_sync(const RmaArgs& a, const RmaOp& op, Transport* lane, Transport* nlane) {
+Status Context::rma_run_sync(const RmaArgs& a, Transport* lane, Transport* nlane) {
   // Complete at the target when each call returns: the data, then the word.
-  Status st = lane->rma(op, nullptr);
+  Status st = lane->rma(a, nullptr);
   if (st && nlane != nullptr) {
     RmaOp w;
     w.op = Rma::notify;
@@ -102,41 +86,36 @@ Status Context::rma_run_sync(const RmaArgs& a, const RmaOp& op, Transport* lane,
   return st;
 }
 
-Status Context::rma_unlocked(const RmaArgs& a) {
-  RmaOp op;
+Status Context::rma_unlocked(RmaArgs& a) {
   Transport* lane = nullptr;
   Transport* nlane = nullptr;
-  HCOMM_TRY(rma_check(a, false, &op, &lane, &nlane));
-  return rma_run_sync(a, op, lane, nlane);
+  HCOMM_TRY(rma_check(a, false, &lane, &nlane));
+  return rma_run_sync(a, lane, nlane);
 }
 
-Status Context::rma(const RmaArgs& a, std::shared_ptr<Request>* out) {
-  RmaOp op;
+Status Context::rma(RmaArgs& a, std::shared_ptr<Request>* out) {
   Transport* lane = nullptr;
   Transport* nlane = nullptr;
-  HCOMM_TRY(rma_check(a, true, &op, &lane, &nlane));
+  HCOMM_TRY(rma_check(a, true, &lane, &nlane));
   if (lane->caps().sync) {
     // hcomm_fence: what asynchronous lanes hold from before completes first.
     if (_fence_next.exchange(false, std::memory_order_acq_rel)) HCOMM_TRY(flush(-1, Deadline::after_ms(30000)));
     if (out != nullptr) out->reset();  // complete on return: no request
-    return rma_run_sync(a, op, lane, nlane);
+    return rma_run_sync(a, lane, nlane);
   }
   auto r = std::make_shared<Request>();
   r->kind = Request::Kind::rma;
   r->peer = a.rkey->peer;
   r->id = _next_id++;
   if (out != nullptr) *out = r;
-  op.notify_rkey = a.notify_rkey;
-  op.notify_off = a.notify_off;
-  op.notify_value = a.notify_value;
   // hcomm_fence orders across peers: the NPU's one queue serves every peer,
   // so its FENCE flag is context-wide; any other asynchronous lane (verbs:
   // IBV_SEND_FENCE orders one queue pair only) first completes everything
   // issued before, on every lane.
   const bool fence = _fence_next.exchange(false, std::memory_order_acq_rel);
   if (fence && lane->id() != TransportId::npu) HCOMM_TRY(flush(-1, Deadline::after_ms(30000)));
-  op.fence = fence;
-  return lane->rma(op, r);
+  a.fence = fence;
+  return lane->rma(a, r);
 }
 
 Status Context::flush(int peer, const Deadline& dl) {

@@ -12,7 +12,9 @@
 // whose transport put a section into the packed key (api/mem/memory.h).
 //
 // Ownership and threading: transports belong to the Context and are called
-// with the context lock held. Hot-path calls are virtual: one indirect call
+// with the context lock held, except rma() and validate() of synchronous
+// lanes (shm, cma), which the one-sided fast path calls from any thread
+// without it: they read only what stays put after wire-up. Hot-path calls are virtual: one indirect call
 // per operation, next to a memcpy or a descriptor write.
 #pragma once
 
@@ -83,8 +85,14 @@ class AmSink {
 // One remote-memory operation on an already-checked key.
 enum class Rma { put, get, acc, fetch_add, cswap, notify };
 struct RmaOp {
+  // User-provided (members keep their defaults): GCC then stores each field
+  // instead of clearing the whole struct with `rep stos`, which cost more than
+  // the rest of an 8-byte put on the fast path.
+  RmaOp() noexcept {}  // NOLINT(modernize-use-equals-default)
   Rma op = Rma::put;
   uint8_t* local = nullptr;  // inside local_mem (put/get/acc)
+  // Set by the checks; synchronous lanes must not dereference it (on the
+  // unlocked fast path it only proves the buffer was registered).
   const hcomm_mem* local_mem = nullptr;
   size_t len = 0;            // bytes
   hcomm_rkey* rkey = nullptr;

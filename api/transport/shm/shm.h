@@ -133,6 +133,8 @@ class ShmTransport final : public Transport {
   uint32_t fabric_of(int peer, uint32_t slot) const { return seg(peer)->regs[slot].fabric_index; }
   // The owner's entry still has generation gen (every access).
   Status live(int peer, uint32_t slot, uint32_t gen) const;
+  // The owner's generation word of `slot` (mapped until this transport goes).
+  const std::atomic<uint32_t>* gen_word(int peer, uint32_t slot) const { return &seg(peer)->regs[slot].gen; }
   // A wire key for the owner's live registration (rendezvous pulls).
   bool synth_key(int peer, uint32_t slot, uint32_t gen, std::vector<uint8_t>* key) const;
   // The owner's accumulate lock for `slot`; unlock with pthread_mutex_unlock.
