@@ -149,14 +149,14 @@ Context::RmaArgs atomic_args(hcomm::api::Rma op, hcomm_rkey_t* rkey, uint64_t of
 // The one-sided fast path: a call whose lanes are synchronous (shm, cma)
 // runs without the context lock (Context::rma_unlocked) unless a fence is
 // pending; a nonblocking one then hands out the completed handle.
-Status rma_unlocked(Context& ctx, Context::RmaArgs& a) {
+[[gnu::always_inline]] inline Status rma_unlocked(Context& ctx, Context::RmaArgs& a) {
   if (ctx.rma_fast_checks(a)) {
     const bool atomic = a.op == hcomm::api::Rma::fetch_add || a.op == hcomm::api::Rma::cswap;
     return (atomic ? a.rkey->alane : a.rkey->lane)->rma(a, nullptr);
   }
   return ctx.rma_unlocked(a);  // checks again, words the error; fills the lookup cache
 }
-hcomm_status_t rma_blocking(hcomm_context_t* c, Context::RmaArgs& a, int timeout_ms) {
+[[gnu::always_inline]] inline hcomm_status_t rma_blocking(hcomm_context_t* c, Context::RmaArgs& a, int timeout_ms) {
   if (c == nullptr || !c->impl) return fail(HCOMM_ERR_INVALID, "null context");
   Context& ctx = *c->impl;
   if (a.notify_rkey == reinterpret_cast<hcomm_rkey_t*>(1)) return fail(HCOMM_ERR_INVALID, "null notify key");
@@ -167,7 +167,7 @@ hcomm_status_t rma_blocking(hcomm_context_t* c, Context::RmaArgs& a, int timeout
   if (!st || r == nullptr) return ret(st);  // failed, or complete on return
   return run_blocking(ctx, st, r, timeout_ms);
 }
-hcomm_status_t rma_nb(hcomm_context_t* c, Context::RmaArgs& a, hcomm_request_t** req) {
+[[gnu::always_inline]] inline hcomm_status_t rma_nb(hcomm_context_t* c, Context::RmaArgs& a, hcomm_request_t** req) {
   if (c == nullptr || !c->impl) return fail(HCOMM_ERR_INVALID, "null context");
   Context& ctx = *c->impl;
   if (req == nullptr) return fail(HCOMM_ERR_INVALID, "null request pointer");

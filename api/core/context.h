@@ -334,7 +334,7 @@ class Context final : public AmSink {
   bool _closing = false;
 };
 
-inline bool Context::rma_fast_checks(RmaArgs& a) const {
+[[gnu::always_inline]] inline bool Context::rma_fast_checks(RmaArgs& a) const {
   const hcomm_rkey& k = *a.rkey;
   if (a.notify_rkey != nullptr || k.live_gen == nullptr || fence_pending()) return false;
   unsigned need = 0;

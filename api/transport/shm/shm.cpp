@@ -278,15 +278,27 @@ Status ShmTransport::unimport(hcomm_rkey& k) {
 
 // ---- one-sided: the initiating CPU moves the bytes, once; complete at return --------------
 
+namespace {
+// The copy of a put or get: words of 8 bytes or less without a call into
+// libc (parameter-server counters, pipeline credits); anything else memcpy.
+inline void copy(uint8_t* dst, const uint8_t* src, size_t n) {
+  switch (n) {
+    case 8: std::memcpy(dst, src, 8); return;
+    case 4: std::memcpy(dst, src, 4); return;
+    default: std::memcpy(dst, src, n); return;
+  }
+}
+}  // namespace
+
 Status ShmTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& /*r*/) {
   hcomm_rkey& k = *a.rkey;
   uint8_t* target = k.mapped + a.roff;
   switch (a.op) {
     case Rma::put:
-      std::memcpy(target, a.local, a.len);
+      copy(target, a.local, a.len);
       return Status::ok();
     case Rma::get:
-      std::memcpy(a.local, target, a.len);
+      copy(a.local, target, a.len);
       return Status::ok();
     case Rma::notify:
       // The data before it is in place (its copy returned); publish the word
