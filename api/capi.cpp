@@ -480,6 +480,10 @@ hcomm_status_t hcomm_isend(hcomm_context_t* c, int dest, const void* buf, size_t
   std::shared_ptr<Request> r;
   Status st = ctx.isend(dest, buf, len, tag, &r);
   if (!st) return ret(st);
+  if (r == nullptr) {
+    *req = &g_done_handle;  // complete in the call
+    return HCOMM_OK;
+  }
   return new_request(ctx, std::move(r), req);
 }
 
@@ -497,6 +501,7 @@ hcomm_status_t hcomm_send(hcomm_context_t* c, int dest, const void* buf, size_t 
   CTX_OR_FAIL(c);
   std::shared_ptr<Request> r;
   Status st = ctx.isend(dest, buf, len, tag, &r);
+  if (st && r == nullptr) return HCOMM_OK;  // complete in the call
   return run_blocking(ctx, st, r, timeout_ms);
 }
 
@@ -531,18 +536,21 @@ hcomm_status_t hcomm_sendrecv(hcomm_context_t* c, int dest, const void* sbuf, si
   Status st = ctx.irecv(source, rbuf, rlen, rtag, rmask, &rr);
   if (!st) return ret(st);
   st = ctx.isend(dest, sbuf, slen, stag, &sr);
-  if (!st) return ret(st);
-  st = ctx.wait(*sr, dl);
+  if (!st) {
+    ctx.cancel(rr);  // the cancel rule: the receive half is withdrawn (or ran to its end) before we return
+    return ret(st);
+  }
+  if (sr != nullptr) st = ctx.wait(*sr, dl);  // (none: the send completed in the call)
   if (st) st = ctx.wait(*rr, dl);
   if (!st) {
     // Past the timeout: both halves keep the cancel rule.
-    hcomm_status_t s1 = sr->done() ? finished(*sr) : timed_out(ctx, sr, timeout_ms);
+    hcomm_status_t s1 = sr == nullptr ? HCOMM_OK : sr->done() ? finished(*sr) : timed_out(ctx, sr, timeout_ms);
     hcomm_status_t s2 = rr->done() ? finished(*rr) : timed_out(ctx, rr, timeout_ms);
     if (info != nullptr && rr->status == HCOMM_OK) *info = rr->info;
     return s1 != HCOMM_OK ? s1 : s2;
   }
   if (info != nullptr) *info = rr->info;
-  if (sr->status != HCOMM_OK) {
+  if (sr != nullptr && sr->status != HCOMM_OK) {
     g_last_error = sr->error;
     return sr->status;
   }

@@ -106,6 +106,18 @@ Status Context::create(const hcomm_config_t& cfg, std::unique_ptr<Context>* out)
   return Status::ok();
 }
 
+// Fills this thread's block caches (api/core/pool.h) with what windows of up
+// to kReserve small messages need at their peak (requests, posted-receive and
+// unexpected-message nodes), so that such a stream allocates nothing even the
+// first time it reaches a new peak.
+void Context::reserve_blocks() {
+  constexpr size_t kReserve = 64;
+  std::vector<std::shared_ptr<Request>> reqs;
+  for (size_t i = 0; i < kReserve; ++i) reqs.push_back(new_request());
+  PostedList posted(kReserve);
+  std::list<Unexpected, PoolAlloc<Unexpected>> unexpected(kReserve);
+}  // all of it goes back to the caches here
+
 Status Context::init(const hcomm_config_t& cfg) {
   LaunchInfo li;
   const bool from_store = cfg.store != nullptr;
@@ -177,6 +189,7 @@ Status Context::init(const hcomm_config_t& cfg) {
   _slot_gen.assign(kMaxRegs, 0);
   HCOMM_TRY(open_transports(cfg, li, dl));
   HCOMM_TRY(open_claims(dl));
+  reserve_blocks();
   // Every rank's transports are wired up before anyone sends: a barrier, so
   // the first message never meets a half-built peer.
   return _boot->barrier(dl);
@@ -444,7 +457,7 @@ void Context::cancel_send(const std::shared_ptr<Request>& rp, const Deadline& dl
   auto pend = _pending_sends.find(r.id);
   if (pend == _pending_sends.end() || r.claim == kNoSlot) return;  // completes by itself (FIN or failure)
   // A rendezvous: take our claim word back unless the receiver won it.
-  auto g = std::make_shared<Request>();
+  auto g = new_request();
   g->peer = _rank;
   g->id = next_id();
   uint64_t old = 0;

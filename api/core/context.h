@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <list>
@@ -21,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "api/core/pool.h"
 #include "api/include/hcomm/hcomm.h"
 #include "api/mem/memory.h"
 #include "api/transport/transport.h"
@@ -82,12 +84,23 @@ struct Request {
   }
 };
 
+// Requests come from the per-thread block caches (api/core/pool.h).
+inline std::shared_ptr<Request> new_request() { return std::allocate_shared<Request>(PoolAlloc<Request>()); }
+
 // A message that arrived before its receive was posted.
 struct Unexpected {
-  int source;
-  MsgHdr hdr;
-  std::vector<uint8_t> payload;  // eager only
+  static constexpr size_t kInline = 64;
+  int source = -1;
+  MsgHdr hdr{};
+  uint8_t small[kInline];       // an eager payload of at most kInline bytes (no allocation)
+  std::vector<uint8_t> large;   // a larger one
+  void keep(const uint8_t* p, size_t n) {
+    if (n <= kInline) std::memcpy(small, p, n);
+    else large.assign(p, p + n);
+  }
+  const uint8_t* payload() const { return hdr.len <= kInline ? small : large.data(); }
 };
+using PostedList = std::list<std::shared_ptr<Request>, PoolAlloc<std::shared_ptr<Request>>>;
 
 // A flag the one-sided fast path reads without the context lock (written
 // under it): acquire/release, copyable so that Peer stays a vector element.
@@ -200,6 +213,8 @@ class Context final : public AmSink {
   void fence() { _fence_next.store(true, std::memory_order_release); }
 
   // two-sided (api/proto/tag.cpp)
+  // *out: the send's request, or empty when the send completed in the call
+  // (an eager message the lane took).
   Status isend(int dest, const void* buf, size_t len, uint64_t tag, std::shared_ptr<Request>* out);
   Status irecv(int source, void* buf, size_t len, uint64_t tag, uint64_t mask, std::shared_ptr<Request>* out);
   Status probe(int source, uint64_t tag, uint64_t mask, bool* found, hcomm_recv_info_t* info);
@@ -228,6 +243,7 @@ class Context final : public AmSink {
  private:
   Context() = default;
   Status init(const hcomm_config_t& cfg);
+  void reserve_blocks();
   Status add_mem(std::unique_ptr<hcomm_mem> m, hcomm_mem** out);
   Status open_transports(const hcomm_config_t& cfg, const LaunchInfo& li, const Deadline& dl);
   Status choose_lanes(const std::vector<std::string>& forced, const std::string& verbs_why);
@@ -247,14 +263,14 @@ class Context final : public AmSink {
   // two-sided internals (api/proto/tag.cpp)
   bool try_send(Peer& p, const std::shared_ptr<Request>& r);
   hcomm_rkey* rendezvous_key(int source, uint32_t slot, uint32_t gen);
-  std::list<std::shared_ptr<Request>>::iterator find_posted(int source, uint64_t tag);
+  PostedList::iterator find_posted(int source, uint64_t tag);
   std::shared_ptr<Request> take_posted(int source, uint64_t tag);
   bool match_deferred() const { return !_claims.empty(); }
   // A message meets the posted receive at `it`: eager payloads are copied
   // and the receive completes; a rendezvous starts the claim on the sender's
   // word. True when the receive took the message (false: the sender had
   // retracted it).
-  bool match(std::list<std::shared_ptr<Request>>::iterator it, int source, const MsgHdr& h, const uint8_t* payload);
+  bool match(PostedList::iterator it, int source, const MsgHdr& h, const uint8_t* payload);
   void deliver_eager(Request& r, int source, const MsgHdr& h, const uint8_t* payload);
   void start_claim(const std::shared_ptr<Request>& r, int source, const MsgHdr& h);
   bool took_rendezvous(const std::shared_ptr<Request>& r) const;
@@ -301,8 +317,8 @@ class Context final : public AmSink {
   std::vector<pollfd> _check_pfds;  // check_peers, reused
   std::vector<Peer*> _check_who;
   std::map<uint64_t, std::shared_ptr<Request>> _pending_sends;  // rendezvous awaiting FIN
-  std::list<std::shared_ptr<Request>> _posted;                   // receives
-  std::list<Unexpected> _unexpected;
+  PostedList _posted;                                            // receives
+  std::list<Unexpected, PoolAlloc<Unexpected>> _unexpected;
   std::deque<std::pair<int, MsgHdr>> _ctl_backlog;               // FIN/RETRACT waiting for room
   // Rendezvous claims (api/proto/tag.cpp): one word per rendezvous send in
   // our claim memory; every rank holds every rank's key for it.

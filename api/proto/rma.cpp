@@ -103,7 +103,7 @@ Status Context::rma(RmaArgs& a, std::shared_ptr<Request>* out) {
     if (out != nullptr) out->reset();  // complete on return: no request
     return rma_run_sync(a, lane, nlane);
   }
-  auto r = std::make_shared<Request>();
+  auto r = new_request();
   r->kind = Request::Kind::rma;
   r->peer = a.rkey->peer;
   r->id = _next_id++;

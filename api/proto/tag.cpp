@@ -83,7 +83,7 @@ void Context::post_ctl(int peer, const MsgHdr& h) {
 // with `tag` matches; end() if none, or if the first that matches is
 // waiting on a claim (the message must wait: it belongs to that receive if
 // the claim is lost).
-std::list<std::shared_ptr<Request>>::iterator Context::find_posted(int source, uint64_t tag) {
+PostedList::iterator Context::find_posted(int source, uint64_t tag) {
   for (auto it = _posted.begin(); it != _posted.end(); ++it) {
     const Request& r = **it;
     if ((r.peer == HCOMM_ANY_SOURCE || r.peer == source) && tag_match(tag, r.tag, r.tag_mask))
@@ -129,9 +129,10 @@ void Context::on_am(int peer, const MsgHdr& h, const uint8_t* payload) {
   if (!match_deferred()) {
     if (auto it = find_posted(peer, h.tag); it != _posted.end() && match(it, peer, h, payload)) return;
   }
-  Unexpected u{peer, h, {}};
-  if (h.type == static_cast<uint32_t>(MsgType::eager)) u.payload.assign(payload, payload + h.len);
-  _unexpected.push_back(std::move(u));
+  Unexpected& u = _unexpected.emplace_back();
+  u.source = peer;
+  u.hdr = h;
+  if (h.type == static_cast<uint32_t>(MsgType::eager)) u.keep(payload, h.len);
 }
 
 // A rendezvous send is over: release what its lane exposed and its claim
@@ -153,7 +154,7 @@ void Context::deliver_eager(Request& r, int source, const MsgHdr& h, const uint8
                               : "");
 }
 
-bool Context::match(std::list<std::shared_ptr<Request>>::iterator it, int source, const MsgHdr& h,
+bool Context::match(PostedList::iterator it, int source, const MsgHdr& h,
                     const uint8_t* payload) {
   std::shared_ptr<Request> r = *it;
   if (h.type == static_cast<uint32_t>(MsgType::eager)) {
@@ -208,7 +209,7 @@ void Context::start_claim(const std::shared_ptr<Request>& rp, int source, const 
     return;
   }
   rp->claiming = true;
-  _claims.push_back({rp, std::make_shared<Request>(), 0, source, h});
+  _claims.push_back({rp, new_request(), 0, source, h});
   Claim& c = _claims.back();
   c.op->peer = source;
   c.op->id = next_id();
@@ -269,7 +270,7 @@ void Context::rematch() {
     }
     Unexpected u = std::move(*it);
     it = _unexpected.erase(it);
-    (void)match(pit, u.source, u.hdr, u.payload.data());
+    (void)match(pit, u.source, u.hdr, u.payload());
   }
 }
 
@@ -297,7 +298,7 @@ void Context::pull(const std::shared_ptr<Request>& rp, int source, const MsgHdr&
   Request& r = *rp;
   Peer& p = _peers[static_cast<size_t>(source)];
   const size_t n = std::min<size_t>(h.total, r.rlen);
-  auto g = std::make_shared<Request>();
+  auto g = new_request();
   g->peer = source;
   g->id = next_id();
   bool started = n == 0;
@@ -370,7 +371,25 @@ void Context::finish_pulls() {
 Status Context::isend(int dest, const void* buf, size_t len, uint64_t tag, std::shared_ptr<Request>* out) {
   if (dest < 0 || dest >= _size) return Status::error(Code::invalid_argument, "destination rank %d of %d", dest, _size);
   if (buf == nullptr && len > 0) return Status::error(Code::invalid_argument, "null send buffer");
-  auto r = std::make_shared<Request>();
+  if (dest != _rank) {
+    // The fast path: an eager message the lane takes now is complete, and
+    // needs no request (*out stays empty).
+    Peer& p = _peers[static_cast<size_t>(dest)];
+    if (!p.alive) return Status(Code::peer_failure, p.why_dead);
+    if (p.backlog.empty() && len <= p.am->caps().max_short) {
+      MsgHdr h{};
+      h.type = static_cast<uint32_t>(MsgType::eager);
+      h.len = static_cast<uint32_t>(len);
+      h.tag = tag;
+      h.total = len;
+      h.sreq = _next_id++;
+      if (p.am->am_send(dest, h, buf, len)) {
+        out->reset();
+        return Status::ok();
+      }
+    }
+  }
+  auto r = new_request();
   r->kind = Request::Kind::send;
   r->peer = dest;
   r->id = _next_id++;
@@ -393,9 +412,10 @@ Status Context::isend(int dest, const void* buf, size_t len, uint64_t tag, std::
     h.tag = tag;
     h.total = len;
     h.len = static_cast<uint32_t>(std::min<size_t>(len, UINT32_MAX));
-    Unexpected u{_rank, h, {}};
-    u.payload.assign(r->sbuf, r->sbuf + len);
-    _unexpected.push_back(std::move(u));
+    Unexpected& u = _unexpected.emplace_back();
+    u.source = _rank;
+    u.hdr = h;
+    u.keep(r->sbuf, len);
     r->complete(HCOMM_OK);
     return Status::ok();
   }
@@ -411,7 +431,7 @@ Status Context::irecv(int source, void* buf, size_t len, uint64_t tag, uint64_t 
   if (source != HCOMM_ANY_SOURCE && (source < 0 || source >= _size))
     return Status::error(Code::invalid_argument, "source rank %d of %d", source, _size);
   if (buf == nullptr && len > 0) return Status::error(Code::invalid_argument, "null receive buffer");
-  auto r = std::make_shared<Request>();
+  auto r = new_request();
   r->kind = Request::Kind::recv;
   r->peer = source;
   r->id = _next_id++;
@@ -432,7 +452,7 @@ Status Context::irecv(int source, void* buf, size_t len, uint64_t tag, uint64_t 
     it = _unexpected.erase(it);
     if (u.hdr.type == static_cast<uint32_t>(MsgType::eager)) {
       if (posted) _posted.remove(r);
-      deliver_eager(*r, u.source, u.hdr, u.payload.data());
+      deliver_eager(*r, u.source, u.hdr, u.payload());
       return Status::ok();
     }
     if (!posted) _posted.push_back(r);

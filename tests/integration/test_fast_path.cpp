@@ -14,6 +14,7 @@
 #include <hcomm/hcomm.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -89,6 +90,75 @@ TEST(FastPath, OneSidedOnOneHostAllocatesNothing) {
     RCHECK(g_news.load() == 0) << g_news.load() << " allocations in 1000 rounds of put/get/fetch_add/iput/iget";
     RCHECK_OK(hcomm_barrier(ctx, T));
     RCHECK_OK(hcomm_rkey_release(k));
+    RCHECK_OK(hcomm_finalize(ctx));
+  }, 60);
+  EXPECT_EQ(err, "");
+}
+
+// Small messages allocate nothing either once they run: blocking ping-pong,
+// windows of nonblocking sends against pre-posted receives, messages that
+// arrive before their receive (unexpected), and sendrecv (requests and list
+// nodes come from per-thread caches; an eager send the lane took needs no
+// request).
+TEST(FastPath, SmallMessagesAllocateNothing) {
+  std::string err = run_ranks(2, {{"HCOMM_ENGINE", "host"}}, [](int rank) {
+    hcomm_config_t cfg;
+    hcomm_config_init(&cfg);
+    hcomm_context_t* ctx = nullptr;
+    RCHECK_OK(hcomm_init(&cfg, &ctx));
+    const int peer = 1 - rank;
+    std::vector<hcomm_request_t*> reqs(32);
+    uint64_t out[32] = {}, in[32] = {};
+    // delay: 1 = the receiver posts late (every message of the window
+    // arrives unexpected), 2 = the sender sends late (every receive waits
+    // posted); the warm-up sets both peaks, which no later round exceeds.
+    auto stretch = [&](int rounds, int delay) {
+      for (int i = 0; i < rounds; ++i) {
+        const uint64_t v = static_cast<uint64_t>(i) * 64;
+        uint64_t got = 0;
+        // ping-pong
+        if (rank == 0) {
+          RCHECK_OK(hcomm_send(ctx, peer, &v, 8, 1, T));
+          RCHECK_OK(hcomm_recv(ctx, peer, &got, 8, 2, HCOMM_TAG_MASK_ALL, nullptr, T));
+        } else {
+          RCHECK_OK(hcomm_recv(ctx, peer, &got, 8, 1, HCOMM_TAG_MASK_ALL, nullptr, T));
+          RCHECK_OK(hcomm_send(ctx, peer, &got, 8, 2, T));
+        }
+        RCHECK(got == v) << "round " << i;
+        // a window: rank 1 pre-posts, rank 0 sends 32 (some may come before their receive)
+        if ((delay == 1 && rank == 1) || (delay == 2 && rank == 0))
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        if (rank == 0) {
+          for (int j = 0; j < 32; ++j) {
+            out[j] = v + static_cast<uint64_t>(j);
+            RCHECK_OK(hcomm_isend(ctx, peer, &out[j], 8, 100 + static_cast<uint64_t>(j), &reqs[j]));
+          }
+        } else {
+          for (int j = 0; j < 32; ++j)
+            RCHECK_OK(hcomm_irecv(ctx, peer, &in[j], 8, 100 + static_cast<uint64_t>(j), HCOMM_TAG_MASK_ALL, &reqs[j]));
+        }
+        for (auto& r : reqs) {
+          RCHECK_OK(hcomm_wait(r, T));
+          hcomm_request_free(r);
+        }
+        if (rank == 1) {
+          for (int j = 0; j < 32; ++j) RCHECK(in[j] == v + static_cast<uint64_t>(j)) << "round " << i << " msg " << j;
+        }
+        // sendrecv both ways at once
+        uint64_t mine = v + static_cast<uint64_t>(rank), theirs = 0;
+        RCHECK_OK(hcomm_sendrecv(ctx, peer, &mine, 8, 3, peer, &theirs, 8, 3, HCOMM_TAG_MASK_ALL, nullptr, T));
+        RCHECK(theirs == v + static_cast<uint64_t>(peer)) << "round " << i;
+      }
+    };
+    stretch(20, 0);  // warm-up: caches fill, up to both peaks
+    stretch(2, 1);
+    stretch(2, 2);
+    g_news.store(0);
+    g_counting.store(true);
+    stretch(1000, 0);
+    g_counting.store(false);
+    RCHECK(g_news.load() == 0) << g_news.load() << " allocations in 1000 rounds of send/recv, isend/irecv, sendrecv";
+    RCHECK_OK(hcomm_barrier(ctx, T));
     RCHECK_OK(hcomm_finalize(ctx));
   }, 60);
   EXPECT_EQ(err, "");
