@@ -8,6 +8,8 @@
 // takes part. The output names the transport serving rank 1 for rank 0
 // (hcomm_peer_transport: "shm,cma" on one host, "verbs" across hosts). What each number measures (docs/performance.md repeats this):
 //
+//   (lat samples: batches of 16 iterations, one clock read per batch end;
+//   each value below is per iteration of the batch)
 //   send_recv lat  ping-pong hcomm_send / hcomm_recv; sample = round trip / 2.
 //   put lat        ping-pong of blocking hcomm_put: the initiator writes an
 //                  iteration number into the last 8 bytes of the payload, the
@@ -310,12 +312,37 @@ class Bench {
   }
 
   // ---- latency -------------------------------------------------------------------
+  // Latency samples are batches of kBatch iterations: one clock read at each
+  // end of a batch instead of two per iteration (a clock read costs about
+  // 25 ns on a VM's TSC, a quarter of a small round trip, while
+  // ucx_perftest reads the TSC directly). Sample = batch time / kBatch
+  // (/ 2 for ping-pongs); batches start after the warm-up. Short runs (fewer
+  // than 20 batches) time every iteration.
+  struct Batches {
+    static constexpr long kBatch = 16;
+    long warm, batch, left = 0;  // left: iterations still to run in the current batch
+    std::vector<double>* out;
+    Clock::time_point t0{};
+    Batches(long w, long iters, std::vector<double>* o) : warm(w), batch(iters >= 20 * kBatch ? kBatch : 1), out(o) {}
+    void begin(long i) {
+      if (left == 0 && i >= warm) {
+        left = batch;
+        t0 = Clock::now();
+      }
+    }
+    void end(long i, int div) {
+      if (i < warm || --left != 0) return;
+      out->push_back(us_since(t0, Clock::now()) / static_cast<double>(batch * div));
+    }
+  };
+
   Result lat(const std::string& t, size_t n) {
     Result res{t, "lat", n, lat_iters(_o, n), 1, {}, 0, 0};
     const long warm = warm_of(_o, res.iters);
     const long total = warm + res.iters;
     std::vector<double> samples;
     samples.reserve(static_cast<size_t>(res.iters));
+    Batches bt(warm, res.iters, &samples);
     prepare(t, n);
     _c.barrier(kTimeoutMs);
     hcomm_context_t* c = _c.get();
@@ -323,16 +350,15 @@ class Bench {
     if (t == "memcpy") {
       if (init) {
         for (long i = 0; i < total; ++i) {
-          auto t0 = Clock::now();
+          bt.begin(i);
           std::memcpy(base(), local(), n);
-          auto t1 = Clock::now();
-          if (i >= warm) samples.push_back(us_since(t0, t1));
+          bt.end(i, 1);
         }
       }
     } else if (t == "send_recv" && (init || target)) {
       uint64_t tag = kTagBase | 1;
       for (long i = 0; i < total; ++i) {
-        auto t0 = Clock::now();
+        bt.begin(i);
         if (init) {
           hcomm::check(hcomm_send(c, _peer, local(), n, tag, kTimeoutMs), "send");
           hcomm::check(hcomm_recv(c, _peer, base(), n, tag, HCOMM_TAG_MASK_ALL, nullptr, kTimeoutMs), "recv");
@@ -340,8 +366,7 @@ class Bench {
           hcomm::check(hcomm_recv(c, _peer, base(), n, tag, HCOMM_TAG_MASK_ALL, nullptr, kTimeoutMs), "recv");
           hcomm::check(hcomm_send(c, _peer, local(), n, tag, kTimeoutMs), "send");
         }
-        auto t1 = Clock::now();
-        if (i >= warm) samples.push_back(us_since(t0, t1) / 2);
+        bt.end(i, 2);
       }
     } else if (t == "put" && (init || target)) {
       // The peer writes into our [0, n); the last 8 bytes carry the iteration.
@@ -351,38 +376,35 @@ class Bench {
       _c.barrier(kTimeoutMs);
       for (long i = 0; i < total; ++i) {
         const uint64_t seq = static_cast<uint64_t>(i) + 1;
-        auto t0 = Clock::now();
+        bt.begin(i);
         if (target) spin_until(seen, seq);
         std::memcpy(local() + tail, &seq, 8);
         hcomm::check(hcomm_put(c, local(), n, _key[_peer].get(), 0, kTimeoutMs), "put");
         if (init) spin_until(seen, seq);
-        auto t1 = Clock::now();
-        if (i >= warm) samples.push_back(us_since(t0, t1) / 2);
+        bt.end(i, 2);
       }
     } else if (t == "put_notify" && (init || target)) {
       word(_flags).store(0);
       _c.barrier(kTimeoutMs);
       for (long i = 0; i < total; ++i) {
         const uint64_t seq = static_cast<uint64_t>(i) + 1;
-        auto t0 = Clock::now();
+        bt.begin(i);
         if (target) hcomm::check(hcomm_notify_wait(c, _mem.get(), _flags, seq, kTimeoutMs), "notify_wait");
         hcomm::check(hcomm_put_notify(c, local(), n, _key[_peer].get(), 0, _key[_peer].get(), _flags, seq, kTimeoutMs),
                      "put_notify");
         if (init) hcomm::check(hcomm_notify_wait(c, _mem.get(), _flags, seq, kTimeoutMs), "notify_wait");
-        auto t1 = Clock::now();
-        if (i >= warm) samples.push_back(us_since(t0, t1) / 2);
+        bt.end(i, 2);
       }
     } else if (init && (t == "get" || t == "acc" || t == "fetch_add")) {
       uint64_t old = 0;
       for (long i = 0; i < total; ++i) {
-        auto t0 = Clock::now();
+        bt.begin(i);
         if (t == "get") hcomm::check(hcomm_get(c, local(), n, _key[_peer].get(), 0, kTimeoutMs), "get");
         else if (t == "acc")
           hcomm::check(hcomm_accumulate(c, local(), n / 4, HCOMM_FP32, HCOMM_SUM, _key[_peer].get(), 0, kTimeoutMs),
                        "accumulate");
         else hcomm::check(hcomm_fetch_add(c, _key[_peer].get(), _flags + 16, 1, &old, kTimeoutMs), "fetch_add");
-        auto t1 = Clock::now();
-        if (i >= warm) samples.push_back(us_since(t0, t1));
+        bt.end(i, 1);
       }
     }
     _c.barrier(kTimeoutMs);
