@@ -612,7 +612,7 @@ void Context::progress() {
 // Over a software RDMA device the yield phase is skipped (see below).
 bool Context::spin_wait(const std::function<bool()>& done, bool progress_each_round, const Deadline& dl) {
   if (done()) return true;
-  const Clock::time_point start = Clock::now();
+  Clock::time_point start{};  // at the first clock reading: a wait that ends within 64 rounds reads none
   for (uint32_t round = 1;; ++round) {
     if (progress_each_round || (round & 63) == 0) progress();
     if (done()) return true;
@@ -621,6 +621,7 @@ bool Context::spin_wait(const std::function<bool()>& done, bool progress_each_ro
       continue;
     }
     const Clock::time_point now = Clock::now();
+    if (start == Clock::time_point{}) start = now;
     if (now >= dl.at()) return false;
     const auto waited = now - start;
     if (waited < std::chrono::microseconds(50)) continue;
