@@ -40,18 +40,25 @@ Deadline deadline_of(int timeout_ms) { return Deadline::after_ms(timeout_ms < 0 
 // no context state: freeing one stays safe after hcomm_finalize).
 // A handle freed after this thread's cache was destroyed (from another
 // thread_local's destructor, say) is deleted instead.
+// Trivially destructible (a plain TLS access on every call); a reaper armed
+// by the first cached handle deletes the cached ones at thread exit.
 struct HandleCache {
   static constexpr size_t kMax = 256;
   hcomm_request* items[kMax];
-  size_t n = 0;
-  bool dead = false;
-  ~HandleCache() {
-    for (size_t i = 0; i < n; ++i) delete items[i];
-    n = 0;
-    dead = true;
+  size_t n;
+  bool armed;
+  bool dead;
+};
+constinit thread_local HandleCache t_handles{};
+struct HandleReaper {
+  bool on = false;
+  ~HandleReaper() {
+    for (size_t i = 0; i < t_handles.n; ++i) delete t_handles.items[i];
+    t_handles.n = 0;
+    t_handles.dead = true;
   }
 };
-thread_local HandleCache t_handles;
+thread_local HandleReaper t_handle_reaper;
 
 // What a nonblocking call that completed at once hands out (a one-sided call
 // on a synchronous lane): one static, completed handle shared by all of them,
@@ -374,8 +381,15 @@ void hcomm_request_free(hcomm_request_t* req) {
   // context access, so this is safe even after hcomm_finalize).
   req->r.reset();
   req->ctx = nullptr;
-  if (!t_handles.dead && t_handles.n < HandleCache::kMax) t_handles.items[t_handles.n++] = req;
-  else delete req;
+  if (!t_handles.dead && t_handles.n < HandleCache::kMax) {
+    if (!t_handles.armed) {
+      t_handle_reaper.on = true;  // constructs it: its destructor runs at thread exit
+      t_handles.armed = true;
+    }
+    t_handles.items[t_handles.n++] = req;
+  } else {
+    delete req;
+  }
 }
 
 hcomm_status_t hcomm_request_recv_info(const hcomm_request_t* req, hcomm_recv_info_t* info) {

@@ -5,9 +5,9 @@
 // (tests/integration/test_fast_path.cpp counts).
 //
 // A block freed on one thread goes to that thread's cache; any thread reuses
-// it. No locks: each cache belongs to its thread. A block freed after its
-// thread's cache was destroyed (from another thread_local's destructor, say)
-// goes back to the heap.
+// it. No locks: each cache belongs to its thread. A block freed after the
+// thread's reaper ran (from another thread_local's destructor, say) goes back
+// to the heap.
 #pragma once
 
 #include <cstddef>
@@ -15,20 +15,33 @@
 
 namespace hcomm::api {
 
+// Trivially destructible and constant-initialised, so that reaching it is a
+// plain TLS access (no init guard, no wrapper call on every allocation); the
+// blocks are handed back to the heap at thread exit by a reaper that the
+// first cached block arms.
 template <size_t Size>
 struct BlockCache {
   static constexpr size_t kMax = 256;
   void* items[kMax];
-  size_t n = 0;
-  bool dead = false;
-  ~BlockCache() {
-    for (size_t i = 0; i < n; ++i) ::operator delete(items[i]);
-    n = 0;
-    dead = true;
+  size_t n;
+  bool armed;  // the reaper is registered
+  bool dead;   // the thread is exiting: the heap takes blocks back
+};
+template <size_t Size>
+inline constinit thread_local BlockCache<Size> t_blocks{};
+
+template <size_t Size>
+struct BlockReaper {
+  bool on = false;
+  ~BlockReaper() {
+    BlockCache<Size>& c = t_blocks<Size>;
+    for (size_t i = 0; i < c.n; ++i) ::operator delete(c.items[i]);
+    c.n = 0;
+    c.dead = true;
   }
 };
 template <size_t Size>
-inline thread_local BlockCache<Size> t_blocks;
+inline thread_local BlockReaper<Size> t_reaper;
 
 // A std allocator over the per-thread block caches (single objects only;
 // arrays go to the heap). Alignment: at most the default new alignment.
@@ -51,6 +64,10 @@ struct PoolAlloc {
     if (n == 1) {
       BlockCache<sizeof(T)>& c = t_blocks<sizeof(T)>;
       if (!c.dead && c.n < BlockCache<sizeof(T)>::kMax) {
+        if (!c.armed) {
+          t_reaper<sizeof(T)>.on = true;  // constructs it: its destructor runs at thread exit
+          c.armed = true;
+        }
         c.items[c.n++] = p;
         return;
       }
