@@ -49,6 +49,10 @@ constexpr uint64_t claim_token(uint64_t sreq, uint64_t state) { return (sreq << 
 
 // ---- requests ---------------------------------------------------------------------------
 struct Request {
+  // User-provided (members keep their defaults): GCC stores the fields one
+  // by one instead of clearing the whole object with `rep stos` (a third of
+  // a small receive's time).
+  Request() noexcept {}  // NOLINT(modernize-use-equals-default)
   enum class Kind { send, recv, rma };
   Kind kind = Kind::rma;
   hcomm_status_t status = HCOMM_IN_PROGRESS;

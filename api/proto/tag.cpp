@@ -440,7 +440,9 @@ Status Context::irecv(int source, void* buf, size_t len, uint64_t tag, uint64_t 
   r->tag = tag;
   r->tag_mask = mask;
   *out = r;
-  progress();  // pull in what has arrived so the unexpected queue is current
+  // No progress here: a message still in a lane's ring is matched, in
+  // arrival order, against this receive once progress takes it; only what
+  // already sits in the unexpected queue is earlier than any of those.
   // While a claim is in flight, matching waits (see rematch): post.
   bool posted = false;
   for (auto it = _unexpected.begin(); it != _unexpected.end() && !match_deferred();) {
