@@ -196,6 +196,19 @@ Context::RmaArgs atomic_args(hcomm::api::Rma op, hcomm_rkey_t* rkey, uint64_t of
   }
   return new_request(ctx, std::move(r), req);
 }
+// Implicit completion: no request for the caller; an asynchronous lane's
+// request is kept by the context until a flush covers it.
+hcomm_status_t rma_nbi(hcomm_context_t* c, Context::RmaArgs& a) {
+  if (c == nullptr || !c->impl) return fail(HCOMM_ERR_INVALID, "null context");
+  Context& ctx = *c->impl;
+  if (ctx.rma_sync(a) && !ctx.fence_pending()) return ret(rma_unlocked(ctx, a));
+  std::unique_lock lock(ctx.mu());
+  std::shared_ptr<Request> r;
+  Status st = ctx.rma(a, &r);
+  if (!st) return ret(st);
+  if (r != nullptr) ctx.keep_implicit(std::move(r));
+  return HCOMM_OK;
+}
 }  // namespace
 
 extern "C" {
@@ -436,6 +449,14 @@ hcomm_status_t hcomm_compare_swap(hcomm_context_t* c, hcomm_rkey_t* rkey, uint64
                                   uint64_t swap, uint64_t* old, int timeout_ms) {
   Context::RmaArgs a = atomic_args(hcomm::api::Rma::cswap, rkey, off, swap, compare, old);
   return rma_blocking(c, a, timeout_ms);
+}
+hcomm_status_t hcomm_put_nbi(hcomm_context_t* c, const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off) {
+  Context::RmaArgs a = put_args(local, len, rkey, off);
+  return rma_nbi(c, a);
+}
+hcomm_status_t hcomm_get_nbi(hcomm_context_t* c, void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off) {
+  Context::RmaArgs a = get_args(local, len, rkey, off);
+  return rma_nbi(c, a);
 }
 hcomm_status_t hcomm_iput(hcomm_context_t* c, const void* local, size_t len, hcomm_rkey_t* rkey, uint64_t off,
                           hcomm_request_t** req) {

@@ -29,6 +29,9 @@
 //                  of rank 0 (the physical limit of a single-copy transfer).
 //   bw (all)       windows of `--window` nonblocking operations, then wait
 //                  for all of them (one-sided: complete at the target);
+//                  put_nbi / get_nbi (bw only): windows of hcomm_put_nbi /
+//                  hcomm_get_nbi, then one hcomm_flush (ucx_perftest's
+//                  ucp_put_bw / ucp_get: put_nbx / get_nbx with no request);
 //                  send_recv: the receiver pre-posts the window and answers
 //                  each window with an 8-byte ack (osu_bw). Sample = one
 //                  window; reported MB/s (1e6 B/s) = bytes of a window /
@@ -94,13 +97,14 @@ struct Options {
 
 const std::vector<std::string> kBasicTests = {"send_recv", "put", "get", "acc", "put_notify", "fetch_add"};
 const std::vector<std::string> kAllTests = {"send_recv", "put", "get", "acc", "put_notify", "fetch_add",
-                                            "memcpy", "ps", "pipe_sr", "pipe_pn"};
+                                            "put_nbi", "get_nbi", "memcpy", "ps", "pipe_sr", "pipe_pn"};
 
 void usage(FILE* f) {
   std::fprintf(f,
                "usage: hcomm-bench [options]   (launch with hcomm-run -n 2 [--sim])\n"
                "  -t, --tests LIST     comma list of: send_recv put get acc put_notify fetch_add\n"
-               "                       memcpy ps pipe_sr pipe_pn, or 'basic' (the first six, default),\n"
+               "                       put_nbi get_nbi memcpy ps pipe_sr pipe_pn, or 'basic' (the\n"
+               "                       first six, default),\n"
                "                       'workloads' (ps,pipe_sr,pipe_pn) or 'all'\n"
                "  -m, --mode MODE      lat, bw or both (default both; workloads: one 'step' mode)\n"
                "  -s, --sizes LIST     comma list of byte sizes (suffixes K, M), e.g. 8,4K,1M\n"
@@ -285,9 +289,10 @@ class Bench {
       std::vector<size_t> sizes = _o.sizes;
       if (t == "fetch_add") sizes = {8};
       for (size_t s : sizes) {
-        if ((t == "put" || t == "acc" || t == "put_notify") && s < 8) continue;
+        if ((t == "put" || t == "acc" || t == "put_notify" || t == "put_nbi") && s < 8) continue;
         if (t == "acc" && s % 4 != 0) continue;
-        if (_o.lat) out.push_back(lat(t, s));
+        const bool nbi = t == "put_nbi" || t == "get_nbi";  // implicit completion: windows only
+        if (_o.lat && !nbi) out.push_back(lat(t, s));
         if (_o.bw) out.push_back(bw(t, s));
       }
     }
@@ -459,9 +464,10 @@ class Bench {
     };
     uint64_t notified = 0;
     // The operation, decided once (not by string compares inside the window).
-    enum class Op { put, get, acc, put_notify, fetch_add };
+    enum class Op { put, get, acc, put_notify, fetch_add, put_nbi, get_nbi };
     const Op op = t == "put" ? Op::put : t == "get" ? Op::get : t == "acc" ? Op::acc
-                : t == "put_notify" ? Op::put_notify : Op::fetch_add;
+                : t == "put_notify" ? Op::put_notify : t == "put_nbi" ? Op::put_nbi
+                : t == "get_nbi" ? Op::get_nbi : Op::fetch_add;
     for (long i = 0; i < total; ++i) {
       auto t0 = Clock::now();
       if (t == "memcpy") {
@@ -493,10 +499,13 @@ class Bench {
             case Op::acc: s = hcomm_iaccumulate(c, src, n / 4, HCOMM_FP32, HCOMM_SUM, k, 0, &reqs[j]); break;
             case Op::put_notify: s = hcomm_iput_notify(c, src, n, k, 0, k, _flags, ++notified, &reqs[j]); break;
             case Op::fetch_add: s = hcomm_ifetch_add(c, k, _flags + 16, 1, &olds[j], &reqs[j]); break;
+            case Op::put_nbi: s = hcomm_put_nbi(c, src, n, k, 0); break;
+            case Op::get_nbi: s = hcomm_get_nbi(c, src, n, k, 0); break;
           }
           if (s != HCOMM_OK) hcomm::check(s, t.c_str());
         }
-        wait_all();
+        if (op == Op::put_nbi || op == Op::get_nbi) hcomm::check(hcomm_flush(c, _peer, kTimeoutMs), "flush");
+        else wait_all();
       }
       auto t1 = Clock::now();
       if (i >= warm) samples.push_back(us_since(t0, t1));

@@ -214,6 +214,9 @@ class Context final : public AmSink {
   bool fence_pending() const { return _fence_next.load(std::memory_order_acquire); }
   Status notify_wait(hcomm_mem* m, uint64_t off, uint64_t value, const Deadline& dl);
   Status flush(int peer, const Deadline& dl);
+  // An implicit (_nbi) operation's request, on an asynchronous lane: the
+  // next flush covering its peer waits for it and reports its failure.
+  void keep_implicit(std::shared_ptr<Request> r);
   void fence() { _fence_next.store(true, std::memory_order_release); }
 
   // two-sided (api/proto/tag.cpp)
@@ -263,6 +266,7 @@ class Context final : public AmSink {
   // Waits until done() with progress; false at the deadline. Releases _mu while napping.
   bool spin_wait(const std::function<bool()>& done, bool progress_each_round, const Deadline& dl);
   void flush_owed(const Deadline& dl);
+  Status reap_implicit(int peer, const Deadline& dl);
 
   // two-sided internals (api/proto/tag.cpp)
   bool try_send(Peer& p, const std::shared_ptr<Request>& r);
@@ -320,6 +324,7 @@ class Context final : public AmSink {
   std::string _last_failure;    // the latest one's why_dead
   std::vector<pollfd> _check_pfds;  // check_peers, reused
   std::vector<Peer*> _check_who;
+  std::vector<std::shared_ptr<Request>> _implicit;               // _nbi operations on asynchronous lanes
   std::map<uint64_t, std::shared_ptr<Request>> _pending_sends;  // rendezvous awaiting FIN
   PostedList _posted;                                            // receives
   std::list<Unexpected, PoolAlloc<Unexpected>> _unexpected;

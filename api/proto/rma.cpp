@@ -4,6 +4,7 @@
 // (bounds, rights, the lane's own validity check, peer liveness) before the
 // key's lane moves a byte.
 #include <cstring>
+#include <string>
 
 #include "api/core/context.h"
 #include "hal/abi/reduce.h"
@@ -123,7 +124,35 @@ Status Context::flush(int peer, const Deadline& dl) {
   if (peer >= 0 && peer != _rank && !_peers[static_cast<size_t>(peer)].alive)
     return Status(Code::peer_failure, _peers[static_cast<size_t>(peer)].why_dead);
   for (auto& t : _transports) HCOMM_TRY(t->flush(peer, dl));
-  return Status::ok();
+  return reap_implicit(peer, dl);
+}
+
+void Context::keep_implicit(std::shared_ptr<Request> r) {
+  // Bounded: what completed fine needs no flush to report it.
+  if (_implicit.size() >= 1024)
+    std::erase_if(_implicit, [](const std::shared_ptr<Request>& q) { return q->done() && q->status == HCOMM_OK; });
+  _implicit.push_back(std::move(r));
+}
+
+Status Context::reap_implicit(int peer, const Deadline& dl) {
+  if (_implicit.empty()) return Status::ok();
+  auto covered = [peer](const Request& r) { return peer == -1 || r.peer == peer; };
+  auto all_done = [&] {
+    for (const auto& r : _implicit)
+      if (covered(*r) && !r->done()) return false;
+    return true;
+  };
+  if (!spin_wait(all_done, true, dl))
+    return Status::error(Code::timeout, "flush: implicit (_nbi) operations still in flight at the deadline");
+  Status first;
+  std::erase_if(_implicit, [&](const std::shared_ptr<Request>& r) {
+    if (!covered(*r)) return false;
+    if (first && r->status != HCOMM_OK)
+      first = Status(from_hcomm(r->status), "an implicit (_nbi) operation to rank " + std::to_string(r->peer) +
+                                                " failed: " + (r->error.empty() ? hcomm_strerror(r->status) : r->error));
+    return true;
+  });
+  return first;
 }
 
 Status Context::notify_wait(hcomm_mem* m, uint64_t off, uint64_t value, const Deadline& dl) {

@@ -617,6 +617,39 @@ TEST_P(Api, PutGetEverySize) {
   });
 }
 
+// Implicit completion (_nbi): many puts then one flush; many gets then one
+// flush; what a call can check is refused at once.
+TEST_P(Api, ImplicitPutGetCompleteAtFlush) {
+  run([](hcomm_context_t* ctx, int me, int n) {
+    constexpr size_t kChunk = 4096, kChunks = 64;
+    hcomm_mem_t *w, *l;
+    RCHECK_OK(hcomm_mem_alloc(ctx, kChunk * kChunks, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
+    RCHECK_OK(hcomm_mem_alloc(ctx, kChunk * kChunks, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
+    auto keys = exchange_keys(ctx, w, 3);
+    auto* lp = static_cast<uint8_t*>(hcomm_mem_ptr(l));
+    auto* wp = static_cast<uint8_t*>(hcomm_mem_ptr(w));
+    const int right = (me + 1) % n, left = (me + n - 1) % n;
+    for (size_t i = 0; i < kChunk * kChunks; ++i) lp[i] = pattern(me, 77, i);
+    for (size_t c = 0; c < kChunks; ++c) RCHECK_OK(hcomm_put_nbi(ctx, lp + c * kChunk, kChunk, keys[right], c * kChunk));
+    RCHECK_OK(hcomm_flush(ctx, right, T));
+    RCHECK_OK(hcomm_flush(ctx, -1, T));  // nothing left: at once
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    for (size_t i = 0; i < kChunk * kChunks; ++i) RCHECK(wp[i] == pattern(left, 77, i)) << "put_nbi byte " << i;
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    std::memset(lp, 0, kChunk * kChunks);
+    for (size_t c = 0; c < kChunks; ++c) RCHECK_OK(hcomm_get_nbi(ctx, lp + c * kChunk, kChunk, keys[right], c * kChunk));
+    RCHECK_OK(hcomm_flush(ctx, -1, T));
+    for (size_t i = 0; i < kChunk * kChunks; ++i) RCHECK(lp[i] == pattern(me, 77, i)) << "get_nbi byte " << i;
+    RCHECK_EQ_STATUS(hcomm_put_nbi(ctx, lp, 16, keys[right], kChunk * kChunks - 8), HCOMM_ERR_OUT_OF_RANGE);
+    RCHECK_EQ_STATUS(hcomm_get_nbi(ctx, lp, 8, nullptr, 0), HCOMM_ERR_INVALID);
+    RCHECK_OK(hcomm_flush(ctx, right, T));
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    release_keys(keys);
+    RCHECK_OK(hcomm_mem_release(w));
+    RCHECK_OK(hcomm_mem_release(l));
+  });
+}
+
 template <typename V>
 void fill_vals(std::vector<V>& v, int who, int salt) {
   for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<V>(static_cast<int>((i * 7 + who * 3 + salt) % 5) + 1);

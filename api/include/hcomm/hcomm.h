@@ -236,8 +236,19 @@ hcomm_status_t hcomm_ifetch_add(hcomm_context_t* ctx, hcomm_rkey_t* rkey, uint64
 hcomm_status_t hcomm_icompare_swap(hcomm_context_t* ctx, hcomm_rkey_t* rkey, uint64_t remote_offset,
                                    uint64_t compare, uint64_t swap, uint64_t* old_value, hcomm_request_t** req);
 
+/* Nonblocking with implicit completion (OpenSHMEM put_nbi, ucp_put_nbi): no request. The
+ * operation is complete at the target once a later hcomm_flush (to its peer, or -1) returned
+ * HCOMM_OK; the local buffer must stay valid (put: unchanged) until then. An error found when the
+ * call is made is returned at once; one the operation meets later is returned by that flush. On a
+ * synchronous lane (shm, cma) the operation is complete when the call returns. */
+hcomm_status_t hcomm_put_nbi(hcomm_context_t* ctx, const void* local, size_t len, hcomm_rkey_t* rkey,
+                             uint64_t remote_offset);
+hcomm_status_t hcomm_get_nbi(hcomm_context_t* ctx, void* local, size_t len, hcomm_rkey_t* rkey,
+                             uint64_t remote_offset);
+
 /* Waits until every one-sided operation issued on ctx (peer = -1) or to
- * `peer` completed at its target. */
+ * `peer` completed at its target; reports the first failure of an implicit
+ * (_nbi) operation to those peers since the last flush that covered them. */
 hcomm_status_t hcomm_flush(hcomm_context_t* ctx, int peer, int timeout_ms);
 /* Orders: every one-sided operation issued after the fence starts after every
  * one issued before it completed. */

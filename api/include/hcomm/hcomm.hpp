@@ -228,6 +228,13 @@ class Context {
     check(hcomm_compare_swap(_c, k.get(), off, cmp, swap, &old, timeout_ms), "compare_swap");
     return old;
   }
+  // Implicit completion: complete at the target after the next flush() covering the peer.
+  void put_nbi(const void* local, size_t len, const RemoteKey& k, uint64_t off) {
+    check(hcomm_put_nbi(_c, local, len, k.get(), off), "put_nbi");
+  }
+  void get_nbi(void* local, size_t len, const RemoteKey& k, uint64_t off) {
+    check(hcomm_get_nbi(_c, local, len, k.get(), off), "get_nbi");
+  }
   void flush(int peer = -1, int timeout_ms = kDefaultTimeoutMs) { check(hcomm_flush(_c, peer, timeout_ms), "flush"); }
   void fence() { check(hcomm_fence(_c), "fence"); }
 
