@@ -253,8 +253,9 @@ TEST(FastPath, ChecksStillHoldWithoutTheLock) {
 // Rank 0 drives one context from four threads at once (puts into per-thread
 // slices, gets back, fetch_adds and fp32 accumulates on shared words), while
 // a fifth registers and releases memory in a loop (the registration epoch
-// moves under the readers) and a sixth calls progress and fence (a pending
-// fence sends the callers through the locked path). Every result exact.
+// moves under the readers), a sixth calls progress and fence (a pending
+// fence sends the callers through the locked path) and a seventh exchanges
+// messages with an echo thread of rank 1. Every result exact.
 TEST(FastPath, ThreadsShareOneContext) {
   std::string err = run_ranks(2, {{"HCOMM_ENGINE", "host"}}, [](int rank) {
     hcomm_config_t cfg;
@@ -314,10 +315,33 @@ TEST(FastPath, ThreadsShareOneContext) {
           std::this_thread::yield();
         }
       });
+      // Two-sided beside it all (the locked path, requests from per-thread caches).
+      std::thread messenger([&] {
+        for (uint64_t i = 0; i < kRounds; ++i) {
+          uint64_t back = 0;
+          RCHECK_OK(hcomm_send(ctx, peer, &i, 8, 9, T));
+          RCHECK_OK(hcomm_recv(ctx, peer, &back, 8, 10, HCOMM_TAG_MASK_ALL, nullptr, T));
+          RCHECK(back == i + 1) << "echo " << i;
+        }
+      });
       for (auto& t : ts) t.join();
+      messenger.join();
       stop.store(true);
       churn.join();
       fencer.join();
+    } else {
+      std::thread echo([&] {
+        for (int i = 0; i < kRounds; ++i) {
+          uint64_t v = 0;
+          RCHECK_OK(hcomm_recv(ctx, peer, &v, 8, 9, HCOMM_TAG_MASK_ALL, nullptr, T));
+          ++v;
+          hcomm_request_t* r = nullptr;
+          RCHECK_OK(hcomm_isend(ctx, peer, &v, 8, 10, &r));
+          RCHECK_OK(hcomm_wait(r, T));
+          hcomm_request_free(r);
+        }
+      });
+      echo.join();
     }
     RCHECK_OK(hcomm_barrier(ctx, T));
     if (rank == 1) {
