@@ -359,6 +359,10 @@ hcomm_status_t hcomm_test(hcomm_request_t* req, int* done) {
     return HCOMM_OK;
   }
   if (req == nullptr || !req->r || done == nullptr) return fail(HCOMM_ERR_INVALID, "null request or done pointer");
+  if (req->r->settled.load(std::memory_order_acquire)) {  // finished: no lock
+    *done = 1;
+    return finished(*req->r);
+  }
   std::unique_lock lock(req->ctx->mu());
   if (!req->r->done()) req->ctx->progress();
   *done = req->r->done() ? 1 : 0;
@@ -370,8 +374,8 @@ hcomm_status_t hcomm_test(hcomm_request_t* req, int* done) {
 hcomm_status_t hcomm_wait(hcomm_request_t* req, int timeout_ms) {
   if (req == &g_done_handle) return HCOMM_OK;
   if (req == nullptr || !req->r) return fail(HCOMM_ERR_INVALID, "null request");
+  if (req->r->settled.load(std::memory_order_acquire)) return finished(*req->r);  // no lock, no clock
   std::unique_lock lock(req->ctx->mu());
-  if (req->r->done()) return finished(*req->r);  // no deadline (no clock read) for a finished request
   Status st = req->ctx->wait(*req->r, deadline_of(timeout_ms));
   if (!st) return ret(st);
   if (req->r->status != HCOMM_OK) g_last_error = req->r->error;

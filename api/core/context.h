@@ -80,11 +80,15 @@ struct Request {
   // receive: matched a rendezvous and waiting for the claim on the sender's
   // word to resolve; it keeps its place among the posted receives meanwhile
   bool claiming = false;
+  // Set (release) once status and error are final: hcomm_wait / hcomm_test
+  // read a finished request without the context lock.
+  std::atomic<bool> settled{false};
   bool done() const { return status != HCOMM_IN_PROGRESS; }
   void complete(hcomm_status_t st, const std::string& why = "") {
     if (done()) return;
     status = st;
     error = why;
+    settled.store(true, std::memory_order_release);
   }
 };
 
