@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "common/fd.h"
+#include "common/memfd.h"
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels answer EINVAL
@@ -114,13 +115,18 @@ Status DmaBuffer::allocate(size_t bytes, int numa_node, DmaBuffer* out) {
     const size_t page = huge ? kHugePageSize : kSmallPage;
     const size_t len = (bytes + page - 1) / page * page;
 
-    UniqueFd fd(::memfd_create("hcomm-dma", MFD_CLOEXEC | (huge ? MFD_HUGETLB : 0u)));
+    UniqueFd fd(::memfd_create("hcomm-dma", MFD_CLOEXEC | kSealableMemfd | (huge ? MFD_HUGETLB : 0u)));
     if (!fd.valid()) {
       last = Status::from_errno(errno, huge ? "DMA buffer: memfd_create(MFD_HUGETLB)" : "DMA buffer: memfd_create");
       continue;
     }
     if (::ftruncate(fd.get(), static_cast<off_t>(len)) != 0) {
       last = Status::from_errno(errno, "DMA buffer: ftruncate to " + std::to_string(len));
+      continue;
+    }
+    // Peers map this file (hcomm memory on one host): its size is final.
+    if (Status st = seal_size(fd.get(), "DMA buffer"); !st) {
+      last = st;
       continue;
     }
     // With a node binding the pages must not be faulted before mbind():

@@ -163,6 +163,9 @@ Status Context::rkey_import(int peer, const void* buf, size_t len, hcomm_rkey** 
     if (len - off < kRkeySectionHdr || b[off + 1] > Transport::kMaxSection ||
         len - off - kRkeySectionHdr < b[off + 1])
       return Status::error(Code::protocol_error, "rkey_import: section %zu overruns the key", secs.size());
+    for (const Sec& q : secs)
+      if (q.id == b[off])
+        return Status::error(Code::protocol_error, "rkey_import: two sections for transport %u", b[off]);
     secs.push_back({b[off], b + off + kRkeySectionHdr, b[off + 1]});
     off += kRkeySectionHdr + b[off + 1];
   }

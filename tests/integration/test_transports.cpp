@@ -647,6 +647,15 @@ TEST(PackedKey, DamagedAndMisattributedKeysAreRefused) {
         b[0] ^= 0xff;
         refused(b, len, "magic changed");
       }
+      {
+        // The first section once more (a second section for one transport: which would count?).
+        std::vector<uint8_t> b = good;
+        const size_t slen = 2 + b[49];
+        b.insert(b.end(), good.begin() + 48, good.begin() + 48 + static_cast<long>(slen));
+        b[7] = static_cast<uint8_t>(nsec + 1);
+        RCHECK(b.size() <= HCOMM_RKEY_MAX) << b.size();
+        refused(b, b.size(), "a transport's section twice");
+      }
       // The intact key, said to come from another rank (the other importer, or ourselves).
       for (int claimed : {3 - rank, rank}) {
         hcomm_rkey_t* k = nullptr;

@@ -1,5 +1,7 @@
 // DmaBuffer: memfd-backed DMA memory.
 #include "driver/dma_memory.h"
+#include "common/fd.h"
+#include "common/memfd.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -47,6 +49,39 @@ TEST(DmaBuffer, AllocateWriteReadAndShareThroughFd) {
   std::memset(b.data(), 0x3c, 10000);
   EXPECT_EQ(p[9999], 0x3c);
   expect_shared_through_fd(b);
+}
+
+// Peers map these files: the size is sealed, and a receiver maps a file only
+// if it holds the bytes it expects and cannot shrink (a peer that truncated
+// it under the mapping would turn the next access into SIGBUS).
+TEST(DmaBuffer, SharedFilesAreSealedAndReceiversCheckThem) {
+  DmaBuffer b;
+  ASSERT_TRUE(DmaBuffer::allocate(10000, -1, &b).is_ok());
+  const int seals = ::fcntl(b.fd(), F_GET_SEALS);
+  ASSERT_GE(seals, 0);
+  EXPECT_NE(seals & F_SEAL_SHRINK, 0);
+  EXPECT_NE(seals & F_SEAL_GROW, 0);
+  EXPECT_NE(::ftruncate(b.fd(), 4096), 0) << "a sealed buffer shrank";
+  EXPECT_TRUE(check_peer_memfd(b.fd(), b.size(), "buffer").is_ok());
+  Status st = check_peer_memfd(b.fd(), b.size() + 1, "buffer");
+  EXPECT_EQ(st.code(), Code::protocol_error) << st.to_string();
+
+  // A file that can still shrink is refused, whatever its size.
+  hcomm::UniqueFd loose(::memfd_create("t", MFD_CLOEXEC));
+  ASSERT_TRUE(loose.valid());
+  ASSERT_EQ(::ftruncate(loose.get(), 65536), 0);
+  st = check_peer_memfd(loose.get(), 4096, "loose");
+  EXPECT_EQ(st.code(), Code::protocol_error) << st.to_string();
+  EXPECT_NE(st.message().find("not sealed"), std::string::npos) << st.message();
+
+  // Sealed but shorter than expected: refused.
+  hcomm::UniqueFd shortf(::memfd_create("t", MFD_CLOEXEC | kSealableMemfd));
+  ASSERT_TRUE(shortf.valid());
+  ASSERT_EQ(::ftruncate(shortf.get(), 4096), 0);
+  ASSERT_TRUE(seal_size(shortf.get(), "short").is_ok());
+  st = check_peer_memfd(shortf.get(), 8192, "short");
+  EXPECT_EQ(st.code(), Code::protocol_error) << st.to_string();
+  EXPECT_TRUE(check_peer_memfd(shortf.get(), 4096, "short").is_ok());
 }
 
 TEST(DmaBuffer, HugepageSizeTriesHugetlbAndFallsBack) {

@@ -12,6 +12,7 @@
 #include "api/proto/am_check.h"
 #include "api/wireup/mesh.h"
 #include "common/barrier.h"
+#include "common/memfd.h"
 #include "hal/abi/reduce.h"
 
 namespace hcomm::api {
@@ -27,10 +28,11 @@ ShmTransport::ShmTransport(Context& ctx, AmSink& sink) : _ctx(ctx), _sink(sink),
 
 Status ShmTransport::open(Context& ctx, AmSink& sink, std::unique_ptr<ShmTransport>* out) {
   std::unique_ptr<ShmTransport> t(new ShmTransport(ctx, sink));
-  int fd = ::memfd_create("hcomm-ctrl", MFD_CLOEXEC);
+  int fd = ::memfd_create("hcomm-ctrl", MFD_CLOEXEC | kSealableMemfd);
   if (fd < 0) return Status::from_errno(errno, "memfd_create(ctrl)");
   t->_ctrl_fd.reset(fd);
   if (::ftruncate(fd, sizeof(CtrlSegment)) != 0) return Status::from_errno(errno, "ftruncate(ctrl)");
+  HCOMM_TRY(seal_size(fd, "control segment"));
   void* p = nullptr;
   HCOMM_TRY(t->map_fd(fd, sizeof(CtrlSegment), &p));
   t->_ctrl = static_cast<CtrlSegment*>(p);
@@ -69,10 +71,11 @@ Status ShmTransport::connect(const Deadline& dl) {
   std::vector<ChannelLayout*> chans(static_cast<size_t>(n), nullptr);
   for (int r = _rank + 1; r < n; ++r) {
     if (!_ctx.peer(r).same_host) continue;
-    int fd = ::memfd_create("hcomm-chan", MFD_CLOEXEC);
+    int fd = ::memfd_create("hcomm-chan", MFD_CLOEXEC | kSealableMemfd);
     if (fd < 0) return Status::from_errno(errno, "memfd_create(channel)");
     chan_fds[static_cast<size_t>(r)].reset(fd);
     if (::ftruncate(fd, sizeof(ChannelLayout)) != 0) return Status::from_errno(errno, "ftruncate(channel)");
+    HCOMM_TRY(seal_size(fd, "channel"));
     // Every slot free for the producer's first lap, before the peer sees the channel.
     void* chan = nullptr;
     HCOMM_TRY(map_fd(fd, sizeof(ChannelLayout), &chan));
@@ -99,6 +102,7 @@ Status ShmTransport::connect(const Deadline& dl) {
     HCOMM_TRY(meshwire::parse_ctrl(buf, fds.size(), CtrlType::segments, r, r < _rank ? 2 : 1, 0, &m));
     p.pid = m.pid;
     void* ctrl = nullptr;
+    HCOMM_TRY(check_peer_memfd(fds[0].get(), sizeof(CtrlSegment), "a peer's control segment"));
     HCOMM_TRY(map_fd(fds[0].get(), sizeof(CtrlSegment), &ctrl));
     p.ctrl = static_cast<CtrlSegment*>(ctrl);
     if (p.ctrl->hdr.magic != kCtrlMagic || p.ctrl->hdr.version != kCtrlVersion || p.ctrl->hdr.rank != r ||
@@ -107,6 +111,7 @@ Status ShmTransport::connect(const Deadline& dl) {
     ChannelLayout* c = chans[static_cast<size_t>(r)];
     if (r < _rank) {
       void* chan = nullptr;
+      HCOMM_TRY(check_peer_memfd(fds[1].get(), sizeof(ChannelLayout), "a peer's channel"));
       HCOMM_TRY(map_fd(fds[1].get(), sizeof(ChannelLayout), &chan));
       c = static_cast<ChannelLayout*>(chan);
     }
@@ -261,6 +266,8 @@ Status ShmTransport::attach(hcomm_rkey& k, int* fd_out) {
   }
   int fd = -1;
   HCOMM_TRY(await_advert(k.peer, k.h.slot, k.h.gen, Deadline::after_ms(5000), &fd));
+  // The size comes from the owner's table; the file must hold it, and keep it.
+  HCOMM_TRY(check_peer_memfd(fd, k.h.size, "rkey_import: the peer's memory"));
   void* p = ::mmap(nullptr, k.h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) return Status::from_errno(errno, "rkey_import: mmap of the peer's memory");
   k.mapped = static_cast<uint8_t*>(p);
