@@ -293,8 +293,12 @@ TEST(Transports, ShmCmaFromTheEnvironmentWorks) {
 // request ran to its end (the C cases are in the conformance suite).
 TEST(CppApi, RequestCancelSaysWithdrawnOrCompleted) {
   std::string err = run_ranks(2, {{"HCOMM_ENGINE", "host"}}, [&](int rank) {
-    hcomm::Context ctx;
+    hcomm_config_t cfg;
+    hcomm_config_init(&cfg);
+    cfg.transports = "shm,cma";
+    hcomm::Context ctx(cfg);
     const int peer = 1 - rank;
+    RCHECK(ctx.peer_transport(peer) == "shm,cma") << ctx.peer_transport(peer);
     std::vector<uint8_t> big(1 << 20, static_cast<uint8_t>(rank + 1));
     uint64_t small = 40 + static_cast<uint64_t>(rank), got = 0;
     hcomm::Request r = ctx.irecv(peer, &got, 8, 7);

@@ -127,6 +127,9 @@ class Context {
     cfg.engine = engine;
     check(hcomm_init(&cfg, &_c), "init");
   }
+  // Everything hcomm_config_t says: a job's key-value store (cfg.store,
+  // with cfg.rank / cfg.size), the transports allowed, timeouts.
+  explicit Context(const hcomm_config_t& cfg) { check(hcomm_init(&cfg, &_c), "init"); }
   ~Context() {
     *_alive = false;
     if (_c) hcomm_finalize(_c);
@@ -143,6 +146,11 @@ class Context {
   int rank() const { return hcomm_rank(_c); }
   int size() const { return hcomm_size(_c); }
   const char* engine() const { return hcomm_engine_name(_c); }
+  // What serves `peer`: "shm,cma", "verbs", ... (messaging transport first).
+  std::string peer_transport(int peer) const {
+    const char* t = hcomm_peer_transport(_c, peer);
+    return t != nullptr ? t : "";
+  }
   hcomm_context_t* get() const { return _c; }
   void barrier(int timeout_ms = kDefaultTimeoutMs) { check(hcomm_barrier(_c, timeout_ms), "barrier"); }
 
