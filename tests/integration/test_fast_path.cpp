@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <new>
 #include <thread>
 #include <vector>
@@ -50,13 +51,20 @@ namespace {
 using test::run_ranks;
 constexpr int T = 10000;
 
-TEST(FastPath, OneSidedOnOneHostAllocatesNothing) {
-  std::string err = run_ranks(2, {{"HCOMM_ENGINE", "host"}}, [](int rank) {
+// Runs body(ctx, rank, peer) on two host-engine ranks, each with its context.
+std::string on_two_ranks(const std::function<void(hcomm_context_t*, int, int)>& body, int timeout_s = 60) {
+  return run_ranks(2, {{"HCOMM_ENGINE", "host"}}, [&](int rank) {
     hcomm_config_t cfg;
     hcomm_config_init(&cfg);
     hcomm_context_t* ctx = nullptr;
     RCHECK_OK(hcomm_init(&cfg, &ctx));
-    const int peer = 1 - rank;
+    body(ctx, rank, 1 - rank);
+    RCHECK_OK(hcomm_finalize(ctx));
+  }, timeout_s);
+}
+
+TEST(FastPath, OneSidedOnOneHostAllocatesNothing) {
+  std::string err = on_two_ranks([](hcomm_context_t* ctx, int /*rank*/, int peer) {
     hcomm_mem_t *w, *l;
     RCHECK_OK(hcomm_mem_alloc(ctx, 1 << 16, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
     RCHECK_OK(hcomm_mem_alloc(ctx, 1 << 16, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
@@ -90,8 +98,7 @@ TEST(FastPath, OneSidedOnOneHostAllocatesNothing) {
     RCHECK(g_news.load() == 0) << g_news.load() << " allocations in 1000 rounds of put/get/fetch_add/iput/iget";
     RCHECK_OK(hcomm_barrier(ctx, T));
     RCHECK_OK(hcomm_rkey_release(k));
-    RCHECK_OK(hcomm_finalize(ctx));
-  }, 60);
+  });
   EXPECT_EQ(err, "");
 }
 
@@ -101,12 +108,7 @@ TEST(FastPath, OneSidedOnOneHostAllocatesNothing) {
 // nodes come from per-thread caches; an eager send the lane took needs no
 // request).
 TEST(FastPath, SmallMessagesAllocateNothing) {
-  std::string err = run_ranks(2, {{"HCOMM_ENGINE", "host"}}, [](int rank) {
-    hcomm_config_t cfg;
-    hcomm_config_init(&cfg);
-    hcomm_context_t* ctx = nullptr;
-    RCHECK_OK(hcomm_init(&cfg, &ctx));
-    const int peer = 1 - rank;
+  std::string err = on_two_ranks([](hcomm_context_t* ctx, int rank, int peer) {
     std::vector<hcomm_request_t*> reqs(32);
     uint64_t out[32] = {}, in[32] = {};
     // delay: 1 = the receiver posts late (every message of the window
@@ -159,18 +161,12 @@ TEST(FastPath, SmallMessagesAllocateNothing) {
     g_counting.store(false);
     RCHECK(g_news.load() == 0) << g_news.load() << " allocations in 1000 rounds of send/recv, isend/irecv, sendrecv";
     RCHECK_OK(hcomm_barrier(ctx, T));
-    RCHECK_OK(hcomm_finalize(ctx));
-  }, 60);
+  });
   EXPECT_EQ(err, "");
 }
 
 TEST(FastPath, TheCompletedHandleBehavesAsAnyRequest) {
-  std::string err = run_ranks(2, {{"HCOMM_ENGINE", "host"}}, [](int rank) {
-    hcomm_config_t cfg;
-    hcomm_config_init(&cfg);
-    hcomm_context_t* ctx = nullptr;
-    RCHECK_OK(hcomm_init(&cfg, &ctx));
-    const int peer = 1 - rank;
+  std::string err = on_two_ranks([](hcomm_context_t* ctx, int /*rank*/, int peer) {
     hcomm_mem_t* w;
     RCHECK_OK(hcomm_mem_alloc(ctx, 4096, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
     hcomm_rkey_t* k = test::swap_keys(ctx, peer, w, 1, T);
@@ -198,18 +194,12 @@ TEST(FastPath, TheCompletedHandleBehavesAsAnyRequest) {
     for (int i = 0; i < 64; ++i) RCHECK(lp[1024 + i] == 0x5a) << "byte " << i;
     RCHECK_OK(hcomm_barrier(ctx, T));
     RCHECK_OK(hcomm_rkey_release(k));
-    RCHECK_OK(hcomm_finalize(ctx));
-  }, 60);
+  });
   EXPECT_EQ(err, "");
 }
 
 TEST(FastPath, ChecksStillHoldWithoutTheLock) {
-  std::string err = run_ranks(2, {{"HCOMM_ENGINE", "host"}}, [](int rank) {
-    hcomm_config_t cfg;
-    hcomm_config_init(&cfg);
-    hcomm_context_t* ctx = nullptr;
-    RCHECK_OK(hcomm_init(&cfg, &ctx));
-    const int peer = 1 - rank;
+  std::string err = on_two_ranks([](hcomm_context_t* ctx, int rank, int peer) {
     hcomm_mem_t *w, *l;
     RCHECK_OK(hcomm_mem_alloc(ctx, 4096, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
     RCHECK_OK(hcomm_mem_alloc(ctx, 4096, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
@@ -245,8 +235,7 @@ TEST(FastPath, ChecksStillHoldWithoutTheLock) {
     }
     RCHECK_OK(hcomm_barrier(ctx, T));
     RCHECK_OK(hcomm_rkey_release(k));
-    RCHECK_OK(hcomm_finalize(ctx));
-  }, 60);
+  });
   EXPECT_EQ(err, "");
 }
 
@@ -257,12 +246,7 @@ TEST(FastPath, ChecksStillHoldWithoutTheLock) {
 // fence sends the callers through the locked path) and a seventh exchanges
 // messages with an echo thread of rank 1. Every result exact.
 TEST(FastPath, ThreadsShareOneContext) {
-  std::string err = run_ranks(2, {{"HCOMM_ENGINE", "host"}}, [](int rank) {
-    hcomm_config_t cfg;
-    hcomm_config_init(&cfg);
-    hcomm_context_t* ctx = nullptr;
-    RCHECK_OK(hcomm_init(&cfg, &ctx));
-    const int peer = 1 - rank;
+  std::string err = on_two_ranks([](hcomm_context_t* ctx, int rank, int peer) {
     constexpr int kThreads = 4, kRounds = 2000;
     constexpr uint64_t kSlice = 1024;  // bytes per thread; words at [kThreads * kSlice, +64)
     hcomm_mem_t* w;
@@ -355,7 +339,6 @@ TEST(FastPath, ThreadsShareOneContext) {
     }
     RCHECK_OK(hcomm_barrier(ctx, T));
     RCHECK_OK(hcomm_rkey_release(k));
-    RCHECK_OK(hcomm_finalize(ctx));
   }, 120);
   EXPECT_EQ(err, "");
 }
