@@ -270,7 +270,10 @@ class Context final : public AmSink {
   // Waits until done() with progress; false at the deadline. Releases _mu while napping.
   bool spin_wait(const std::function<bool()>& done, bool progress_each_round, const Deadline& dl);
   void flush_owed(const Deadline& dl);
-  Status reap_implicit(int peer, const Deadline& dl);
+  // Waits for the implicit operations to `peer` (-1: all); take: forget
+  // them and return the first failure (hcomm_flush), else leave them.
+  Status reap_implicit(int peer, const Deadline& dl, bool take);
+  Status complete_all(const Deadline& dl);
 
   // two-sided internals (api/proto/tag.cpp)
   bool try_send(Peer& p, const std::shared_ptr<Request>& r);

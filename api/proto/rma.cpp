@@ -100,7 +100,7 @@ Status Context::rma(RmaArgs& a, std::shared_ptr<Request>* out) {
   HCOMM_TRY(rma_check(a, true, &lane, &nlane));
   if (lane->caps().sync) {
     // hcomm_fence: what asynchronous lanes hold from before completes first.
-    if (_fence_next.exchange(false, std::memory_order_acq_rel)) HCOMM_TRY(flush(-1, Deadline::after_ms(30000)));
+    if (_fence_next.exchange(false, std::memory_order_acq_rel)) HCOMM_TRY(complete_all(Deadline::after_ms(30000)));
     if (out != nullptr) out->reset();  // complete on return: no request
     return rma_run_sync(a, lane, nlane);
   }
@@ -114,7 +114,7 @@ Status Context::rma(RmaArgs& a, std::shared_ptr<Request>* out) {
   // IBV_SEND_FENCE orders one queue pair only) first completes everything
   // issued before, on every lane.
   const bool fence = _fence_next.exchange(false, std::memory_order_acq_rel);
-  if (fence && lane->id() != TransportId::npu) HCOMM_TRY(flush(-1, Deadline::after_ms(30000)));
+  if (fence && lane->id() != TransportId::npu) HCOMM_TRY(complete_all(Deadline::after_ms(30000)));
   a.fence = fence;
   return lane->rma(a, r);
 }
@@ -124,7 +124,14 @@ Status Context::flush(int peer, const Deadline& dl) {
   if (peer >= 0 && peer != _rank && !_peers[static_cast<size_t>(peer)].alive)
     return Status(Code::peer_failure, _peers[static_cast<size_t>(peer)].why_dead);
   for (auto& t : _transports) HCOMM_TRY(t->flush(peer, dl));
-  return reap_implicit(peer, dl);
+  return reap_implicit(peer, dl, true);
+}
+
+// hcomm_fence: everything issued before is complete (implicit operations
+// included), but their failures stay for the user's next flush to report.
+Status Context::complete_all(const Deadline& dl) {
+  for (auto& t : _transports) HCOMM_TRY(t->flush(-1, dl));
+  return reap_implicit(-1, dl, false);
 }
 
 void Context::keep_implicit(std::shared_ptr<Request> r) {
@@ -134,7 +141,7 @@ void Context::keep_implicit(std::shared_ptr<Request> r) {
   _implicit.push_back(std::move(r));
 }
 
-Status Context::reap_implicit(int peer, const Deadline& dl) {
+Status Context::reap_implicit(int peer, const Deadline& dl, bool take) {
   if (_implicit.empty()) return Status::ok();
   auto covered = [peer](const Request& r) { return peer == -1 || r.peer == peer; };
   auto all_done = [&] {
@@ -144,6 +151,7 @@ Status Context::reap_implicit(int peer, const Deadline& dl) {
   };
   if (!spin_wait(all_done, true, dl))
     return Status::error(Code::timeout, "flush: implicit (_nbi) operations still in flight at the deadline");
+  if (!take) return Status::ok();
   Status first;
   std::erase_if(_implicit, [&](const std::shared_ptr<Request>& r) {
     if (!covered(*r)) return false;

@@ -1122,6 +1122,20 @@ TEST_P(Api, InjectedDeviceFaultsSurfaceAndCorruptionIsCaught) {
     for (int i = 0; i < 65536; ++i) bad += wp[i] != static_cast<uint8_t>(i * 5 + left);
     RCHECK(bad == (left == 0 ? 1 : 0)) << bad << " corrupted bytes from rank " << left;
     RCHECK_OK(hcomm_barrier(ctx, T));
+    // An implicit (_nbi) put that fails on the device: the call succeeds, the
+    // next flush covering its peer reports the failure (once); a fence in
+    // between waits for it but leaves the report to the flush.
+    if (me == 0) {
+      RCHECK(sim->control("fail 0 1") == "ok");
+      RCHECK_OK(hcomm_put_nbi(ctx, lp, 65536, keys[right], 0));
+      RCHECK_OK(hcomm_fence(ctx));
+      RCHECK_OK(hcomm_put(ctx, lp, 8, keys[right], 0, T)) << "the fenced put after it";
+      RCHECK_EQ_STATUS(hcomm_flush(ctx, right, T), HCOMM_ERR_DEVICE);
+      RCHECK(std::strstr(hcomm_last_error(), "INJECTED") != nullptr) << hcomm_last_error();
+      RCHECK(std::strstr(hcomm_last_error(), "implicit") != nullptr) << hcomm_last_error();
+      RCHECK_OK(hcomm_flush(ctx, right, T)) << "reported once";
+    }
+    RCHECK_OK(hcomm_barrier(ctx, T));
     release_keys(keys);
     RCHECK_OK(hcomm_mem_release(w));
     RCHECK_OK(hcomm_mem_release(l));
