@@ -188,6 +188,9 @@ class Context final : public AmSink {
   // takes the lock. Transports on the unlocked path never dereference the
   // result (it only proves the buffer was registered).
   const hcomm_mem* find_local_unlocked(const void* p, size_t len);
+  // The per-thread cache alone: its registration when it covers [p, p+len)
+  // and no registration changed since it was filled, else null.
+  const hcomm_mem* cached_local(const void* p, size_t len) const;
 
   // one-sided (api/proto/rma.cpp); returns a request (maybe already
   // complete). out == nullptr: the caller blocks; on a synchronous lane the
@@ -386,13 +389,17 @@ class Context final : public AmSink {
   if (k.peer != _rank && !_peers[static_cast<size_t>(k.peer)].alive) return false;
   if (need == HCOMM_ACCESS_REMOTE_ATOMIC) return true;
   if (a.local == nullptr || a.len == 0) return false;
+  a.local_mem = cached_local(a.local, a.len);
+  return a.local_mem != nullptr;
+}
+
+[[gnu::always_inline]] inline const hcomm_mem* Context::cached_local(const void* p, size_t len) const {
   const LocalHit& h = t_local_hit;
-  const auto p = reinterpret_cast<uintptr_t>(a.local);
-  if (h.ctx != this || h.epoch != _mem_epoch.load(std::memory_order_acquire) || p - h.base > h.size ||
-      a.len > h.size - (p - h.base))
-    return false;
-  a.local_mem = h.m;
-  return true;
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  if (h.ctx != this || h.epoch != _mem_epoch.load(std::memory_order_acquire) || a - h.base > h.size ||
+      len > h.size - (a - h.base))
+    return nullptr;
+  return h.m;
 }
 
 }  // namespace hcomm::api

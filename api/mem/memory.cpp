@@ -266,11 +266,7 @@ void Context::mem_changed() {
 }
 
 const hcomm_mem* Context::find_local_unlocked(const void* p, size_t len) {
-  const auto a = reinterpret_cast<uintptr_t>(p);
-  const LocalHit& h = t_local_hit;
-  if (h.ctx == this && h.epoch == _mem_epoch.load(std::memory_order_acquire) && a - h.base <= h.size &&
-      len <= h.size - (a - h.base))
-    return h.m;
+  if (const hcomm_mem* hit = cached_local(p, len)) return hit;
   std::lock_guard lock(_mu);
   const hcomm_mem* m = find_local(p, len);
   if (m != nullptr) t_local_hit = LocalHit{this, _mem_epoch.load(std::memory_order_relaxed), reinterpret_cast<uintptr_t>(m->ptr), m->size, m};
