@@ -451,6 +451,7 @@ void Context::cancel_send(const std::shared_ptr<Request>& rp, const Deadline& dl
   // Not yet handed to the lane: withdraw it.
   if (auto it = std::find(p.backlog.begin(), p.backlog.end(), rp); it != p.backlog.end()) {
     p.backlog.erase(it);
+    p.queued = !p.backlog.empty();
     send_done(r, HCOMM_ERR_CANCELLED, "cancelled before it was sent");
     return;
   }
@@ -565,6 +566,7 @@ void Context::peer_failed(Peer& p, const std::string& why) {
   for (auto& t : _transports) t->peer_failed(p.rank, p.why_dead);
   for (auto& r : p.backlog) send_done(*r, HCOMM_ERR_PEER_FAILURE, p.why_dead);
   p.backlog.clear();
+  p.queued = false;
   for (Pull& u : _pulls)
     if (u.source == p.rank) u.read->complete(HCOMM_ERR_PEER_FAILURE, p.why_dead);
   // A claim on its word is lost with it (the RTS is dropped).
@@ -598,7 +600,9 @@ void Context::progress() {
   if (!_pulls.empty()) finish_pulls();
   for (Peer& p : _peers) {
     if (p.rank == _rank || !p.alive) continue;
+    if (p.backlog.empty()) continue;
     while (!p.backlog.empty() && try_send(p, p.backlog.front())) p.backlog.pop_front();
+    if (p.backlog.empty()) p.queued = false;
   }
   while (!_ctl_backlog.empty() && try_ctl(_ctl_backlog.front().first, _ctl_backlog.front().second))
     _ctl_backlog.pop_front();
@@ -635,7 +639,9 @@ bool Context::spin_wait(const std::function<bool()>& done, bool progress_each_ro
 }
 
 Status Context::wait(Request& r, const Deadline& dl) {
-  if (spin_wait([&] { return r.done(); }, true, dl)) return Status::ok();
+  if (r.done()) return Status::ok();
+  progress();  // the common case: what it waits for already sits in a lane
+  if (r.done() || spin_wait([&] { return r.done(); }, true, dl)) return Status::ok();
   return Status::error(Code::timeout, "request still in progress at the deadline");
 }
 

@@ -84,7 +84,12 @@ struct Request {
   // read a finished request without the context lock.
   std::atomic<bool> settled{false};
   bool done() const { return status != HCOMM_IN_PROGRESS; }
-  void complete(hcomm_status_t st, const std::string& why = "") {
+  void complete(hcomm_status_t st) {  // error stays empty
+    if (done()) return;
+    status = st;
+    settled.store(true, std::memory_order_release);
+  }
+  void complete(hcomm_status_t st, const std::string& why) {
     if (done()) return;
     status = st;
     error = why;
@@ -138,6 +143,7 @@ struct Peer {
   std::vector<Transport*> rma;      // RMA lanes, preferred first
   std::string lanes;                // "shm,cma": what hcomm_peer_transport reports
   std::deque<std::shared_ptr<Request>> backlog;  // sends waiting for room on the messaging lane
+  SharedFlag queued = false;  // backlog is not empty (read by the unlocked eager path)
 };
 
 // Control-socket messages: api/wireup/mesh_wire.h.
@@ -230,6 +236,12 @@ class Context final : public AmSink {
   // *out: the send's request, or empty when the send completed in the call
   // (an eager message the lane took).
   Status isend(int dest, const void* buf, size_t len, uint64_t tag, std::shared_ptr<Request>* out);
+  // The eager fast path, WITHOUT the context lock (docs/api.md, "Threads"):
+  // a message of at most the lane's max_short to another live rank whose
+  // messaging lane takes concurrent senders (Caps::am_concurrent), nothing
+  // queued before it. True: sent, complete. False says nothing about why:
+  // the caller takes the locked path, which checks again and words errors.
+  bool isend_unlocked(int dest, const void* buf, size_t len, uint64_t tag);
   Status irecv(int source, void* buf, size_t len, uint64_t tag, uint64_t mask, std::shared_ptr<Request>* out);
   Status probe(int source, uint64_t tag, uint64_t mask, bool* found, hcomm_recv_info_t* info);
 

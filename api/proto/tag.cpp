@@ -149,19 +149,20 @@ void Context::deliver_eager(Request& r, int source, const MsgHdr& h, const uint8
   r.info = {source, h.tag, static_cast<size_t>(h.total)};
   size_t n = std::min<size_t>(h.len, r.rlen);
   if (n > 0) std::memcpy(r.rbuf, payload, n);
-  r.complete(h.total > r.rlen ? HCOMM_ERR_TRUNCATED : HCOMM_OK,
-             h.total > r.rlen ? "message of " + std::to_string(h.total) + " bytes, buffer of " + std::to_string(r.rlen)
-                              : "");
+  if (h.total <= r.rlen) return r.complete(HCOMM_OK);
+  r.complete(HCOMM_ERR_TRUNCATED,
+             "message of " + std::to_string(h.total) + " bytes, buffer of " + std::to_string(r.rlen));
 }
 
 bool Context::match(PostedList::iterator it, int source, const MsgHdr& h,
                     const uint8_t* payload) {
-  std::shared_ptr<Request> r = *it;
   if (h.type == static_cast<uint32_t>(MsgType::eager)) {
+    std::shared_ptr<Request> r = std::move(*it);  // no count: the node goes
     _posted.erase(it);
     deliver_eager(*r, source, h, payload);
     return true;
   }
+  std::shared_ptr<Request> r = *it;
   start_claim(r, source, h);
   return took_rendezvous(r);
 }
@@ -422,8 +423,25 @@ Status Context::isend(int dest, const void* buf, size_t len, uint64_t tag, std::
   Peer& p = _peers[static_cast<size_t>(dest)];
   if (!p.alive) return Status(Code::peer_failure, p.why_dead);
   // In order behind anything already queued for this peer.
-  if (!p.backlog.empty() || !try_send(p, r)) p.backlog.push_back(r);
+  if (!p.backlog.empty() || !try_send(p, r)) {
+    p.backlog.push_back(r);
+    p.queued = true;
+  }
   return Status::ok();
+}
+
+bool Context::isend_unlocked(int dest, const void* buf, size_t len, uint64_t tag) {
+  if (dest < 0 || dest >= _size || dest == _rank || (buf == nullptr && len > 0)) return false;
+  Peer& p = _peers[static_cast<size_t>(dest)];
+  // Transport* and its caps are fixed at init; alive and queued are atomics.
+  if (p.am == nullptr || !p.am->caps().am_concurrent || len > p.am->caps().max_short || !p.alive || p.queued)
+    return false;
+  MsgHdr h{};
+  h.type = static_cast<uint32_t>(MsgType::eager);
+  h.len = static_cast<uint32_t>(len);
+  h.tag = tag;
+  h.total = len;
+  return p.am->am_send(dest, h, buf, len);
 }
 
 Status Context::irecv(int source, void* buf, size_t len, uint64_t tag, uint64_t mask,
@@ -431,7 +449,8 @@ Status Context::irecv(int source, void* buf, size_t len, uint64_t tag, uint64_t 
   if (source != HCOMM_ANY_SOURCE && (source < 0 || source >= _size))
     return Status::error(Code::invalid_argument, "source rank %d of %d", source, _size);
   if (buf == nullptr && len > 0) return Status::error(Code::invalid_argument, "null receive buffer");
-  auto r = new_request();
+  // *out is the request's one reference besides the posted list's.
+  std::shared_ptr<Request>& r = *out = new_request();
   r->kind = Request::Kind::recv;
   r->peer = source;
   r->id = _next_id++;
@@ -439,7 +458,6 @@ Status Context::irecv(int source, void* buf, size_t len, uint64_t tag, uint64_t 
   r->rlen = len;
   r->tag = tag;
   r->tag_mask = mask;
-  *out = r;
   // No progress here: a message still in a lane's ring is matched, in
   // arrival order, against this receive once progress takes it; only what
   // already sits in the unexpected queue is earlier than any of those.
@@ -464,8 +482,11 @@ Status Context::irecv(int source, void* buf, size_t len, uint64_t tag, uint64_t 
     // The sender had retracted it: look further.
   }
   if (posted) return Status::ok();
-  if (source != HCOMM_ANY_SOURCE && source != _rank && !_peers[static_cast<size_t>(source)].alive)
-    return Status(Code::peer_failure, _peers[static_cast<size_t>(source)].why_dead);
+  if (source != HCOMM_ANY_SOURCE && source != _rank && !_peers[static_cast<size_t>(source)].alive) {
+    Status st(Code::peer_failure, _peers[static_cast<size_t>(source)].why_dead);
+    out->reset();
+    return st;
+  }
   _posted.push_back(r);
   return Status::ok();
 }

@@ -50,6 +50,9 @@ struct Caps {
   bool notify = false;        // put_notify ordered on the lane itself
   bool remote_hosts = false;  // reaches peers on other hosts
   bool sync = false;          // every RMA is complete at the target when rma() returns
+  // am_send may be called on several threads at once without the context
+  // lock (it serialises each peer's stream itself): the eager fast path.
+  bool am_concurrent = false;
 };
 
 // ---- active messages: the protocol's headers (64 bytes, then payload) ----

@@ -9,7 +9,11 @@
 //  - it runs without the context lock and stays thread-safe: several threads
 //    drive one context at once while another registers and releases memory
 //    (the suite runs under TSan in CI), every result exact;
-//  - the checks still hold unlocked: a released local buffer, a revoked key.
+//  - the checks still hold unlocked: a released local buffer, a revoked key;
+//  - eager sends run without the context lock too (a per-peer stream lock in
+//    the shm lane): threads sending to one peer at once, beside rendezvous
+//    sends and a full ring (sends queue, the locked path), keep each
+//    thread's order and every byte.
 #include <gtest/gtest.h>
 #include <hcomm/hcomm.h>
 
@@ -18,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <new>
 #include <thread>
 #include <vector>
@@ -340,6 +345,103 @@ TEST(FastPath, ThreadsShareOneContext) {
     RCHECK_OK(hcomm_barrier(ctx, T));
     RCHECK_OK(hcomm_rkey_release(k));
   }, 120);
+  EXPECT_EQ(err, "");
+}
+
+// Four threads of rank 0 send to rank 1 at once, each on its own tag, in
+// windows of nonblocking sends (and blocking ones in between): small eager
+// messages (inline and full slots; the unlocked path), eager ones near the
+// slot size and rendezvous ones (the locked path). Rank 1 starts late, so
+// the ring fills and sends queue behind it: a later small send of the same
+// thread must queue too, not overtake. Four threads of rank 1 receive, each
+// its tag: every message arrives once, in its thread's order, every byte right.
+TEST(FastPath, ConcurrentSendersKeepEachThreadsOrder) {
+  std::string err = on_two_ranks([](hcomm_context_t* ctx, int rank, int peer) {
+    constexpr int kThreads = 4, kMsgs = 3000, kWindow = 8;
+    constexpr size_t kSizes[] = {8, 40, 200, 8, 3000, 16, 64 << 10, 8, 24};
+    constexpr size_t kMax = 64 << 10;
+    auto fill = [](uint8_t* b, size_t n, int t, uint64_t i) {
+      std::memset(b, static_cast<int>((t * 31 + i) & 0xff), n);
+      std::memcpy(b, &i, 8);
+    };
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    std::vector<std::thread> ts;
+    for (int t = 0; t < kThreads; ++t) {
+      ts.emplace_back([&, t] {
+        std::vector<std::vector<uint8_t>> bufs(kWindow, std::vector<uint8_t>(kMax));
+        std::vector<uint8_t> want(kMax);
+        const uint64_t tag = 100 + static_cast<uint64_t>(t);
+        for (uint64_t i = 0; i < kMsgs; i += kWindow) {
+          hcomm_request_t* rs[kWindow] = {};
+          for (uint64_t j = 0; j < kWindow; ++j) {
+            const uint64_t m = i + j;
+            const size_t n = kSizes[m % std::size(kSizes)];
+            uint8_t* b = bufs[j].data();
+            if (rank == 0) {
+              fill(b, n, t, m);
+              if ((i / kWindow) % 4 != 3) {
+                RCHECK_OK(hcomm_isend(ctx, peer, b, n, tag, &rs[j]));
+              } else {
+                RCHECK_OK(hcomm_send(ctx, peer, b, n, tag, T));
+              }
+            } else {
+              hcomm_recv_info_t info{};
+              RCHECK_OK(hcomm_recv(ctx, peer, b, kMax, tag, HCOMM_TAG_MASK_ALL, &info, T));
+              RCHECK(info.length == n) << "thread " << t << " message " << m << ": " << info.length << " bytes";
+              fill(want.data(), n, t, m);
+              uint64_t seq = 0;
+              std::memcpy(&seq, b, 8);
+              RCHECK(seq == m) << "thread " << t << ": message " << seq << " where " << m << " was due";
+              RCHECK(std::memcmp(b, want.data(), n) == 0) << "thread " << t << " message " << m;
+            }
+          }
+          for (hcomm_request_t* r : rs) {
+            if (r == nullptr) continue;
+            RCHECK_OK(hcomm_wait(r, T));  // the buffers are ours again
+            hcomm_request_free(r);
+          }
+        }
+      });
+    }
+    for (auto& th : ts) th.join();
+    RCHECK_OK(hcomm_barrier(ctx, T));
+  }, 120);
+  EXPECT_EQ(err, "");
+}
+
+// The unlocked eager path never overtakes a queued send: rank 0 sends more
+// small messages than the ring holds while rank 1 is not receiving (the rest
+// queue as requests), makes no progress while rank 1 drains the ring, then
+// sends one more: it must arrive after every queued one.
+TEST(FastPath, ASmallSendQueuesBehindQueuedOnes) {
+  std::string err = on_two_ranks([](hcomm_context_t* ctx, int rank, int peer) {
+    constexpr uint64_t kBurst = 300;
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    if (rank == 0) {
+      std::vector<uint64_t> vals(kBurst + 1);
+      std::vector<hcomm_request_t*> rs(kBurst + 1, nullptr);
+      for (uint64_t i = 0; i < kBurst; ++i) {
+        vals[i] = i;
+        RCHECK_OK(hcomm_isend(ctx, peer, &vals[i], 8, 5, &rs[i]));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(150));  // rank 1 drains the ring meanwhile
+      vals[kBurst] = kBurst;
+      RCHECK_OK(hcomm_isend(ctx, peer, &vals[kBurst], 8, 5, &rs[kBurst]));
+      for (hcomm_request_t* r : rs) {
+        RCHECK_OK(hcomm_wait(r, T));
+        hcomm_request_free(r);
+      }
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // rank 0's burst fills the ring
+      for (uint64_t i = 0; i <= kBurst; ++i) {
+        uint64_t v = ~0ull;
+        RCHECK_OK(hcomm_recv(ctx, peer, &v, 8, 5, HCOMM_TAG_MASK_ALL, nullptr, T));
+        RCHECK(v == i) << "message " << v << " where " << i << " was due";
+      }
+    }
+    RCHECK_OK(hcomm_barrier(ctx, T));
+  });
   EXPECT_EQ(err, "");
 }
 

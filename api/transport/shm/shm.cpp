@@ -23,7 +23,9 @@ ShmTransport::ShmTransport(Context& ctx, AmSink& sink) : _ctx(ctx), _sink(sink),
   _caps.max_short = kEagerMax;
   _caps.put = _caps.get = _caps.atomic64 = _caps.reduce = _caps.notify = true;
   _caps.sync = true;
+  _caps.am_concurrent = true;
   _peers.resize(static_cast<size_t>(ctx.size()));
+  _tx_locks = std::make_unique<TxLock[]>(static_cast<size_t>(ctx.size()));
 }
 
 Status ShmTransport::open(Context& ctx, AmSink& sink, std::unique_ptr<ShmTransport>* out) {
@@ -343,6 +345,16 @@ Status ShmTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& /*r*/) 
 
 bool ShmTransport::am_send(int peer, const MsgHdr& h, const void* payload, size_t len) {
   ShmPeer& sp = _peers[static_cast<size_t>(peer)];
+  // One writer per peer stream at a time: the eager fast path calls us
+  // without the context lock (Caps::am_concurrent).
+  TxLock& l = _tx_locks[static_cast<size_t>(peer)];
+  while (l.held.exchange(true, std::memory_order_acquire)) {
+    while (l.held.load(std::memory_order_relaxed)) cpu_relax();
+  }
+  struct Release {
+    TxLock& l;
+    ~Release() { l.held.store(false, std::memory_order_release); }
+  } release{l};
   Slot& s = sp.tx->slots[sp.tx_pos % kSlots];
   // Free for message #tx_pos once the consumer handed it back.
   if (s.line.seq.load(std::memory_order_acquire) != sp.tx_pos) return false;
@@ -378,10 +390,11 @@ void ShmTransport::progress() {
       }
       // Copy the header the peer wrote once, then validate the copy (the
       // payload is read in place: only its bytes, never a length, come from it).
+      // An inline slot is a valid eager message by construction.
       const uint32_t form = s.line.form;
       MsgHdr h{};
       const uint8_t* payload = nullptr;
-      std::string why;
+      const uint32_t pos = sp.rx_pos++;
       if ((form & ~0xffffu) == kFormInline && (form & 0xffffu) <= kInlineMax) {
         h.type = static_cast<uint32_t>(MsgType::eager);
         h.len = form & 0xffffu;
@@ -389,19 +402,22 @@ void ShmTransport::progress() {
         h.tag = s.line.tag;
         h.src_slot = kNoSlot;
         payload = s.line.data;
-      } else if (form == kFormFull) {
-        std::memcpy(&h, s.body, sizeof h);
-        payload = s.body + sizeof h;
       } else {
-        why = "slot form " + std::to_string(form);
-      }
-      // A full slot has no length of its own: the header's len is the payload.
-      const bool ok = why.empty() && am_header_ok(h, kBodyInHeader, kEagerMax, &why);
-      const uint32_t pos = sp.rx_pos++;
-      if (!ok) {
-        s.line.seq.store(pos + kSlots, std::memory_order_release);
-        _sink.on_peer_failed(r, "garbled channel message (" + why + ")");
-        break;
+        std::string why;
+        bool ok = form == kFormFull;
+        if (ok) {
+          std::memcpy(&h, s.body, sizeof h);
+          payload = s.body + sizeof h;
+          // A full slot has no length of its own: the header's len is the payload.
+          ok = am_header_ok(h, kBodyInHeader, kEagerMax, &why);
+        } else {
+          why = "slot form " + std::to_string(form);
+        }
+        if (!ok) {
+          s.line.seq.store(pos + kSlots, std::memory_order_release);
+          _sink.on_peer_failed(r, "garbled channel message (" + why + ")");
+          break;
+        }
       }
       _sink.on_am(r, h, payload);
       s.line.seq.store(pos + kSlots, std::memory_order_release);

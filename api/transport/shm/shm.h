@@ -169,6 +169,11 @@ class ShmTransport final : public Transport {
   UniqueFd _ctrl_fd;
   CtrlSegment* _ctrl = nullptr;
   std::vector<ShmPeer> _peers;
+  // Per peer: held while a thread writes the peer's stream (tx_pos, slots).
+  struct alignas(64) TxLock {
+    std::atomic<bool> held{false};
+  };
+  std::unique_ptr<TxLock[]> _tx_locks;
   std::vector<std::pair<void*, size_t>> _maps;  // every mmap to undo
 };
 
