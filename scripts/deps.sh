@@ -4,6 +4,7 @@ set -euo pipefail
 pkgs=(build-essential meson ninja-build pkg-config
       libnuma-dev libgtest-dev libgmock-dev libbenchmark-dev
       libibverbs-dev libdpdk-dev openmpi-bin libopenmpi-dev
+      zlib1g-dev python3-scapy tshark   # RoCEv2 ICRC (crc32), wire checks (tests/unit/roce_wire_check.py)
       qemu-system-x86 busybox-static cpio xz-utils   # qemu suite + rdma guest (tests/qemu/)
       python3-dev pybind11-dev python3-torch libtorch-dev python3-pytest)  # python/: the torch backend
 # bench-only (bench/compare.py): scripts/deps.sh --bench
