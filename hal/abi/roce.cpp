@@ -2,6 +2,7 @@
 // decoding, ICRC. The ICRC is the standard CRC-32 (zlib's crc32_z: chains
 // across the masked header copy and the frame's own bytes, table-driven).
 #include "hal/abi/roce.h"
+#include "hal/abi/rdma.h"
 
 #include <zlib.h>
 
@@ -346,3 +347,23 @@ std::string ip_string(uint32_t ip) {
 }
 
 }  // namespace hcomm::hal::abi::roce
+
+namespace hcomm::hal::abi::rdma {
+
+const char* wc_status_name(WcStatus s) {
+  switch (s) {
+    case WcStatus::SUCCESS: return "success";
+    case WcStatus::LOC_LEN_ERR: return "local length error";
+    case WcStatus::LOC_PROT_ERR: return "local protection error";
+    case WcStatus::WR_FLUSH_ERR: return "flushed";
+    case WcStatus::REM_INV_REQ_ERR: return "remote invalid request";
+    case WcStatus::REM_ACCESS_ERR: return "remote access error";
+    case WcStatus::REM_OP_ERR: return "remote operational error";
+    case WcStatus::RETRY_EXC_ERR: return "retry count exceeded";
+    case WcStatus::RNR_RETRY_EXC_ERR: return "RNR retry count exceeded";
+    case WcStatus::BAD_WQE: return "malformed work request";
+  }
+  return "unknown status";
+}
+
+}  // namespace hcomm::hal::abi::rdma
