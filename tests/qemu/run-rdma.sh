@@ -18,6 +18,11 @@
 #       TCG rxe retransmits on timeouts now and then without any loss; the PSN
 #       gaps are what netem adds (0-4 without it, ~100 with it).
 #   tests/qemu/run-rdma.sh BUILD_DIR all           loopback, pair, pair netem in turn
+#   tests/qemu/run-rdma.sh BUILD_DIR wire          one guest (client, 10.0.0.2, peer 10.0.0.1)
+#       whose NIC is a -netdev dgram link to a program on this host:
+#       HCOMM_RDMA_WIRE=GUEST_PORT:PEER_PORT (127.0.0.1 UDP; the peer binds
+#       PEER_PORT and sends to GUEST_PORT), e.g. hcomm-sim's RoCEv2 engine
+#       (tests/qemu/run-roce-interop.sh). Needs HCOMM_RDMA_CMDS.
 #
 # Exit status 0 only when every guest reported HCOMM-DONE and every expected
 # HCOMM-RESULT is 0 (fixed steps modules, net, rxe, gid, then one per command);
@@ -62,7 +67,7 @@ opt=${3:-}
 guest=${HCOMM_RDMA_GUEST:-$build/qemu-rdma-guest}
 export HCOMM_QEMU_CACHE=${HCOMM_QEMU_CACHE:-$build/qemu-guest/cache}
 case "$mode/$opt" in
-  loopback/|pair/|pair/netem) ;;
+  loopback/|pair/|pair/netem|wire/) ;;
   all/)
     fail=0
     t0=$(date +%s)
@@ -76,7 +81,7 @@ case "$mode/$opt" in
     done
     echo "run-rdma: all modes: $(( $(date +%s) - t0 ))s, $([ $fail -eq 0 ] && echo ok || echo FAILED)"
     exit $fail ;;
-  *) echo "run-rdma: mode is loopback, pair, pair netem or all (got '$mode $opt')" >&2; exit 2 ;;
+  *) echo "run-rdma: mode is loopback, pair, pair netem, wire or all (got '$mode $opt')" >&2; exit 2 ;;
 esac
 command -v qemu-system-x86_64 >/dev/null || { echo "run-rdma: qemu-system-x86_64 missing (scripts/deps.sh)" >&2; exit 2; }
 limit=${HCOMM_RDMA_TIMEOUT:-200}
@@ -200,6 +205,14 @@ names=() roles=()
 t_boot=$(date +%s)
 if [ "$mode" = loopback ]; then
   start loopback loopback 2 10.0.0.1/24 "" "user,id=n0,restrict=on"
+elif [ "$mode" = wire ]; then
+  case "${HCOMM_RDMA_WIRE:-}" in
+    *:*) ;;
+    *) echo "run-rdma: wire mode needs HCOMM_RDMA_WIRE=GUEST_PORT:PEER_PORT" >&2; exit 2 ;;
+  esac
+  [ -n "${HCOMM_RDMA_CMDS:-}" ] || { echo "run-rdma: wire mode needs HCOMM_RDMA_CMDS" >&2; exit 2; }
+  start client client 1 10.0.0.2/24 10.0.0.1 \
+    "dgram,id=n0,local.type=inet,local.host=127.0.0.1,local.port=${HCOMM_RDMA_WIRE%%:*},remote.type=inet,remote.host=127.0.0.1,remote.port=${HCOMM_RDMA_WIRE##*:}"
 else
   pa=$(free_port)
   pb=$(free_port)

@@ -1,0 +1,99 @@
+#include "sim/roce/port.h"
+
+#include <arpa/inet.h>
+#include <cerrno>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace hcomm::sim::roce {
+
+DgramPort::~DgramPort() {
+  if (_fd >= 0) ::close(_fd);
+}
+
+Status DgramPort::open(uint16_t local_port, uint16_t remote_port) {
+  _fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (_fd < 0) return Status::from_errno(errno, "socket(AF_INET, SOCK_DGRAM)");
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(local_port);
+  if (::bind(_fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0)
+    return Status::from_errno(errno, "bind 127.0.0.1:" + std::to_string(local_port));
+  _remote = remote_port;
+  return Status::ok();
+}
+
+Status DgramPort::send(const uint8_t* frame, size_t len) {
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(_remote);
+  if (::sendto(_fd, frame, len, 0, reinterpret_cast<sockaddr*>(&a), sizeof a) < 0) {
+    // Nobody listening yet (ECONNREFUSED from an earlier ICMP) is a lost
+    // frame on a wire, as on a real link: the reliability layer resends.
+    if (errno == ECONNREFUSED) return Status::ok();
+    return Status::from_errno(errno, "sendto 127.0.0.1:" + std::to_string(_remote));
+  }
+  return Status::ok();
+}
+
+Status DgramPort::recv(uint8_t* buf, size_t cap, size_t* len, int timeout_ms) {
+  *len = 0;
+  pollfd p{_fd, POLLIN, 0};
+  const int r = ::poll(&p, 1, timeout_ms);
+  if (r < 0) return errno == EINTR ? Status::ok() : Status::from_errno(errno, "poll");
+  if (r == 0) return Status::ok();
+  sockaddr_in from{};
+  socklen_t fl = sizeof from;
+  const ssize_t n = ::recvfrom(_fd, buf, cap, MSG_DONTWAIT | MSG_TRUNC, reinterpret_cast<sockaddr*>(&from), &fl);
+  if (n < 0) return errno == EAGAIN || errno == ECONNREFUSED ? Status::ok() : Status::from_errno(errno, "recvfrom");
+  if (from.sin_addr.s_addr != htonl(INADDR_LOOPBACK) || ntohs(from.sin_port) != _remote) return Status::ok();
+  if (static_cast<size_t>(n) > cap) return Status::ok();  // larger than any frame the port takes: dropped
+  *len = static_cast<size_t>(n);
+  return Status::ok();
+}
+
+namespace {
+
+void le32(std::FILE* f, uint32_t v) {
+  const uint8_t b[4] = {static_cast<uint8_t>(v), static_cast<uint8_t>(v >> 8), static_cast<uint8_t>(v >> 16),
+                        static_cast<uint8_t>(v >> 24)};
+  std::fwrite(b, 1, 4, f);
+}
+
+}  // namespace
+
+PcapWriter::~PcapWriter() { (void)close(); }
+
+Status PcapWriter::open(const std::string& path) {
+  _f = std::fopen(path.c_str(), "wb");
+  if (_f == nullptr) return Status::from_errno(errno, "open " + path);
+  le32(_f, 0xa1b2c3d4);   // magic (microseconds)
+  le32(_f, 2 | 4u << 16);  // version 2.4
+  le32(_f, 0);            // thiszone
+  le32(_f, 0);            // sigfigs
+  le32(_f, 65535);        // snaplen
+  le32(_f, 1);            // LINKTYPE_ETHERNET
+  return Status::ok();
+}
+
+void PcapWriter::write(const uint8_t* frame, size_t len, uint64_t now_ns) {
+  if (_f == nullptr) return;
+  le32(_f, static_cast<uint32_t>(now_ns / 1'000'000'000));
+  le32(_f, static_cast<uint32_t>(now_ns / 1000 % 1'000'000));
+  le32(_f, static_cast<uint32_t>(len));
+  le32(_f, static_cast<uint32_t>(len));
+  std::fwrite(frame, 1, len, _f);
+}
+
+Status PcapWriter::close() {
+  if (_f == nullptr) return Status::ok();
+  const int r = std::fclose(_f);
+  _f = nullptr;
+  return r == 0 ? Status::ok() : Status::from_errno(errno, "close capture");
+}
+
+}  // namespace hcomm::sim::roce
