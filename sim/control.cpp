@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -15,11 +16,84 @@
 
 namespace hcomm::sim {
 
+namespace {
+
+// net faults drop=P dup=P reorder=P corrupt=P [seed=S] | net drop-next N |
+// net corrupt-next N | net clear | net stats | net info DEV
+std::string net_command(Fabric& fabric, std::istringstream& in) {
+  std::string sub;
+  in >> sub;
+  roce::NetSwitch& sw = fabric.net_switch();
+  roce::NetFaultConfig f = sw.faults();
+  if (sub == "faults") {
+    std::string kv;
+    bool any = false;
+    while (in >> kv) {
+      const size_t eq = kv.find('=');
+      if (eq == std::string::npos) return "error: net faults KEY=VALUE...: '" + kv + "'";
+      const std::string k = kv.substr(0, eq);
+      char* end = nullptr;
+      errno = 0;
+      const unsigned long long v = std::strtoull(kv.c_str() + eq + 1, &end, 0);
+      if (errno != 0 || end == kv.c_str() + eq + 1 || *end != '\0') return "error: net faults: bad number in '" + kv + "'";
+      if (k == "seed") {
+        f.seed = v;
+      } else {
+        if (v > 100) return "error: net faults: " + k + " is a percentage (0..100)";
+        const auto pct = static_cast<uint32_t>(v);
+        if (k == "drop") f.drop_pct = pct;
+        else if (k == "dup") f.dup_pct = pct;
+        else if (k == "reorder") f.reorder_pct = pct;
+        else if (k == "corrupt") f.corrupt_pct = pct;
+        else return "error: net faults: unknown key '" + k + "' (drop, dup, reorder, corrupt, seed)";
+      }
+      any = true;
+    }
+    if (!any) return "error: usage: net faults drop=P dup=P reorder=P corrupt=P [seed=S]";
+    sw.set_faults(f);
+    return "ok";
+  }
+  if (sub == "drop-next" || sub == "corrupt-next") {
+    long long n = -1;
+    if (!(in >> n) || n < 0 || n > 1000000000LL) return "error: net " + sub + " needs a count 0..1e9";
+    (sub == "drop-next" ? f.drop_next : f.corrupt_next) = static_cast<uint32_t>(n);
+    sw.set_faults(f);
+    return "ok";
+  }
+  if (sub == "clear") {
+    sw.set_faults(roce::NetFaultConfig{});
+    return "ok";
+  }
+  if (sub == "stats") {
+    const roce::NetFaultCounters c = sw.fault_counters();
+    return "ok dropped=" + std::to_string(c.dropped) + " duplicated=" + std::to_string(c.duplicated) +
+           " reordered=" + std::to_string(c.reordered) + " corrupted=" + std::to_string(c.corrupted);
+  }
+  if (sub == "info") {
+    long long dev = -1;
+    if (!(in >> dev) || dev < 0 || static_cast<unsigned long long>(dev) >= fabric.size())
+      return "error: usage: net info DEV";
+    roce::NetPort* p = fabric.device(static_cast<uint32_t>(dev))->net();
+    if (p == nullptr) return "error: device has no network engine";
+    const roce::Counters c = p->counters();
+    std::string d = p->describe();
+    for (char& ch : d)
+      if (ch == '\n') ch = ';';
+    return "ok " + d + " counters tx=" + std::to_string(c.tx_frames) + " rx=" + std::to_string(c.rx_frames) +
+           " bad_icrc=" + std::to_string(c.rx_bad_icrc) + " retransmits=" + std::to_string(c.retransmits) +
+           " timeouts=" + std::to_string(c.timeouts);
+  }
+  return "error: usage: net faults|drop-next|corrupt-next|clear|stats|info ...";
+}
+
+}  // namespace
+
 std::string control_command(Fabric& fabric, const std::string& line) {
   std::istringstream in(line);
   std::string cmd;
   in >> cmd;
   if (cmd == "ping") return "ok";
+  if (cmd == "net") return net_command(fabric, in);
   long long dev = -1;
   if (!(in >> dev) || dev < 0 || static_cast<unsigned long long>(dev) >= fabric.size())
     return "error: usage: fail|corrupt|stall|clear|stats|reset DEV [N]; DEV must be 0.." +

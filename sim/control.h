@@ -8,6 +8,12 @@
 //   reset DEV       the device resets itself (queues stop, ATT cleared, CONTROL.ENABLE = 0)
 //   stats DEV       "ok completed=N errors=N"
 //   ping            "ok"
+//   net faults drop=P dup=P reorder=P corrupt=P [seed=S]
+//                   the switch drops/duplicates/reorders/corrupts that percentage
+//                   of the frames the NPUs send (corruption: one bit the ICRC covers)
+//   net drop-next N / net corrupt-next N   the next N frames the NPUs send
+//   net clear       no network faults    net stats   "ok dropped=N duplicated=N ..."
+//   net info DEV    the device's port, QPs and counters on one line
 // Each request is one line; each reply is one line starting "ok" or "error".
 #pragma once
 

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 
 #include "common/barrier.h"
@@ -124,7 +125,15 @@ Status Device::init() {
     Queue* qp = q.get();
     qp->thread = std::thread([this, qp] { engine_loop(*qp); });
   }
+  if (_fabric != nullptr) _net = std::make_unique<roce::NetPort>(_cfg.node, _cfg.fabric_index, _net_mem, _fabric->net_switch());
   return Status::ok();
+}
+
+bool Device::net_service(uint64_t now_ns) {
+  if (!_net) return false;
+  std::shared_lock dl(_dma_mu);
+  std::shared_lock al(_att_mu);
+  return _net->service(now_ns);
 }
 
 // ---- PCI config space (§2) ---------------------------------------------------
@@ -207,6 +216,13 @@ Status Device::bar0_read(uint64_t offset, void* data, size_t len) {
     return Status::error(Code::invalid_argument, "BAR0 read of %zu bytes at %#lx: need an aligned 4/8-byte access",
                          len, static_cast<unsigned long>(offset));
   uint64_t v = 0;
+  if (roce::NetPort::owns(offset)) {
+    if (!_net) {
+      std::memset(data, 0, len);
+      return Status::ok();
+    }
+    return _net->reg_read(offset, data, len);
+  }
   auto r64 = [&](uint64_t base, uint64_t value) {
     if (in64(offset, base)) v = pick(value, base, offset, len);
   };
@@ -258,7 +274,8 @@ Status Device::bar0_read(uint64_t offset, void* data, size_t len) {
   }
   uint64_t caps = abi::cap::COPY | abi::cap::FILL | abi::cap::REDUCE | abi::cap::NOTIFY |
                   abi::cap::FP16 | abi::cap::BF16 | abi::cap::PEER_DMA | abi::cap::MSIX |
-                  abi::cap::WAKE_SUPPRESS | abi::cap::ATOMIC | abi::cap::ATT_SPAN;
+                  abi::cap::WAKE_SUPPRESS | abi::cap::ATOMIC | abi::cap::ATT_SPAN |
+                  (_net ? abi::cap::ROCE : 0);
   r64(reg::CAPS, caps);
   r64(reg::HBM_SIZE, _cfg.hbm_size);
   r64(reg::ERR_COUNT, _err_count.load(std::memory_order_relaxed));
@@ -278,6 +295,13 @@ Status Device::bar0_write(uint64_t offset, const void* data, size_t len) {
                          len, static_cast<unsigned long>(offset));
   uint64_t v = 0;
   std::memcpy(&v, data, len);
+  if (roce::NetPort::owns(offset)) {
+    if (!_net) return Status::ok();
+    // Commands translate ring addresses through the ATT (QP_CREATE).
+    std::shared_lock dl(_dma_mu);
+    std::shared_lock al(_att_mu);
+    return _net->reg_write(offset, data, len);
+  }
   // §8 doorbells: any write wakes the queue's engine.
   if (offset >= abi::kDoorbellPageOffset) {
     uint64_t rel = offset - abi::kDoorbellPageOffset;
@@ -567,7 +591,12 @@ Status Device::dma_unmap(uint64_t bus_addr, uint64_t len) {
                            static_cast<unsigned long>(len));
   }
   // A queue whose rings live in the memory being removed stops first (its
-  // latched ring pointers would dangle otherwise).
+  // latched ring pointers would dangle otherwise); so does a queue pair.
+  if (_net) {
+    std::shared_lock lk(_dma_mu);
+    auto it = _dma.find(bus_addr);
+    if (it != _dma.end()) _net->forget(it->second.host, it->second.len);
+  }
   for (auto& q : _queues) {
     std::lock_guard ql(q->mu);
     if (q->enabled && overlaps(q->ring_bus_lo, q->ring_bus_hi - q->ring_bus_lo, bus_addr, len)) {
@@ -690,6 +719,7 @@ void Device::stop_queues() {
 
 void Device::reset() {
   stop_queues();
+  if (_net) _net->reset();
   {
     std::unique_lock lk(_att_mu);
     for (auto& e : _att) e = AttEntry{};
@@ -1009,6 +1039,53 @@ Status Fabric::add(std::unique_ptr<Device> dev) {
 
 Device* Fabric::device(uint32_t index) const {
   return index < _devices.size() ? _devices[index].get() : nullptr;
+}
+
+Fabric::~Fabric() { stop_network(); }
+
+Status Fabric::start_network(const NetOptions& o) {
+  if (!o.pcap.empty()) HCOMM_TRY(_switch.capture(o.pcap));
+  if (o.uplink_local != 0) {
+    HCOMM_TRY(_uplink.open(o.uplink_local, o.uplink_remote));
+    _has_uplink = true;
+    _uplink_port = _switch.add_port(
+        [this](const uint8_t* f, size_t n) {
+          if (Status st = _uplink.send(f, n); !st.is_ok())
+            std::fprintf(stderr, "hcomm-sim: uplink: %s\n", st.to_string().c_str());
+        },
+        false);
+  }
+  _net_stop.store(false);
+  _net_thread = std::thread([this] { network_loop(); });
+  return Status::ok();
+}
+
+void Fabric::stop_network() {
+  _net_stop.store(true);
+  if (_net_thread.joinable()) _net_thread.join();
+}
+
+// Every device's network engine, the switch's reorder buffer and the
+// uplink, round after round; naps 100 us when a round moved nothing.
+void Fabric::network_loop() {
+  std::vector<uint8_t> buf(hal::abi::roce::kMaxFrame + 64);
+  while (!_net_stop.load(std::memory_order_relaxed)) {
+    const auto now = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                               std::chrono::steady_clock::now().time_since_epoch())
+                                               .count());
+    bool moved = false;
+    for (auto& d : _devices) moved |= d->net_service(now);
+    _switch.tick(now);
+    if (_has_uplink) {
+      for (int k = 0; k < 64; ++k) {
+        size_t n = 0;
+        if (!_uplink.recv(buf.data(), buf.size(), &n, 0).is_ok() || n == 0) break;
+        _switch.ingress(_uplink_port, buf.data(), n, now);
+        moved = true;
+      }
+    }
+    if (!moved) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
 }
 
 }  // namespace hcomm::sim

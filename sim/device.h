@@ -25,6 +25,7 @@
 #include "hal/abi/desc.h"
 #include "hal/abi/regs.h"
 #include "hal/abi/ring.h"
+#include "sim/roce/net.h"
 
 namespace hcomm::sim {
 
@@ -34,6 +35,7 @@ class Fabric;
 
 struct DeviceConfig {
   uint32_t fabric_index = 0;
+  uint32_t node = 0;  // this simulator's node id (the port's MAC and default IP, §16.1)
   uint64_t hbm_size = 64ull << 20;
   uint32_t num_queues = 4;
   uint32_t max_queue_log2 = 16;
@@ -134,6 +136,11 @@ class Device {
   // Translation used by a peer device's engine for KIND_PEER_HBM targets.
   uint8_t* peer_hbm(uint64_t offset, uint64_t len);
 
+  // The network engine (cap::ROCE): null without a fabric. net_service() is
+  // one round of its work on the fabric's network thread.
+  roce::NetPort* net() const { return _net.get(); }
+  bool net_service(uint64_t now_ns);
+
  private:
   struct Queue;
   struct AttEntry {
@@ -211,6 +218,20 @@ class Device {
   std::mutex _hook_mu;
   std::function<void(uint64_t)> _self_reset_hook;
   std::mutex _reduce_mu;  // REDUCE serialisation when there is no fabric
+  // The network engine reaches memory through the ATT like the DMA engines
+  // (callers hold _dma_mu and _att_mu shared).
+  class NetMemory : public roce::MemoryAccess {
+   public:
+    explicit NetMemory(Device& d) : _d(d) {}
+    uint8_t* map(uint64_t iova, uint64_t len, bool write) override {
+      return _d.translate(iova, len, write, !write).ptr;
+    }
+
+   private:
+    Device& _d;
+  };
+  NetMemory _net_mem{*this};
+  std::unique_ptr<roce::NetPort> _net;
 };
 
 // All devices of one hcomm-sim process: the intra-node fabric over which a
@@ -223,9 +244,29 @@ class Fabric {
   // Held by an engine for the duration of one REDUCE (see Device::execute).
   std::mutex& reduce_mutex() { return _reduce_mu; }
 
+  // The network (§16): the switch joining the devices' ports, one thread
+  // running every device's network engine, and an optional uplink (a QEMU
+  // -netdev dgram link or another simulator's uplink).
+  struct NetOptions {
+    uint16_t uplink_local = 0, uplink_remote = 0;  // 0: no uplink
+    std::string pcap;                               // capture of the switch
+  };
+  roce::NetSwitch& net_switch() { return _switch; }
+  Status start_network(const NetOptions& o);
+  void stop_network();
+  ~Fabric();
+
  private:
+  void network_loop();
+
   std::vector<std::unique_ptr<Device>> _devices;
   std::mutex _reduce_mu;
+  roce::NetSwitch _switch;
+  roce::DgramPort _uplink;
+  bool _has_uplink = false;
+  uint32_t _uplink_port = 0;
+  std::atomic<bool> _net_stop{false};
+  std::thread _net_thread;
 };
 
 }  // namespace hcomm::sim

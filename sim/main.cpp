@@ -3,6 +3,7 @@
 //   hcomm-sim [--devices N] [--hbm SIZE] [--queues Q] [--dir DIR]
 //             [--fault "CMD"]... [--spin-us US]
 //             [--front vfio-user|ivshmem] [--guest-ram FILE]
+//             [--node N] [--uplink LOCAL:REMOTE] [--pcap FILE]
 //
 // Creates DIR/npu<i>.sock (vfio-user) or, with --front ivshmem, DIR/npu<i>.ivshmem
 // (an ivshmem server socket for QEMU's ivshmem-doorbell), DIR/control.sock
@@ -68,7 +69,12 @@ void usage() {
                "  --front F     vfio-user (default: DIR/npuN.sock, for processes on this host) or\n"
                "                ivshmem (DIR/npuN.ivshmem, for QEMU guests: -device ivshmem-doorbell)\n"
                "  --guest-ram FILE  with --front ivshmem: the guest's RAM file (memory-backend-file,\n"
-               "                share=on); the device DMAs into it\n");
+               "                share=on); the device DMAs into it\n"
+               "  --node N      this simulator's node id (0..255): the NPUs' MACs 02:4e:50:55:N:i and\n"
+               "                addresses 10.0.N.i+1 (docs/device-abi.md §16)\n"
+               "  --uplink L:R  the switch's uplink: a QEMU -netdev dgram link, UDP 127.0.0.1 port L here\n"
+               "                and R there (another hcomm-sim's uplink, or a guest's NIC)\n"
+               "  --pcap FILE   capture every frame the switch forwards\n");
 }
 
 }  // namespace
@@ -79,7 +85,8 @@ int main(int argc, char** argv) {
   uint64_t hbm = 256ull << 20;
   std::string dir = default_sim_dir();
   std::vector<std::string> faults;
-  std::string front = "vfio-user", guest_ram;
+  std::string front = "vfio-user", guest_ram, pcap;
+  uint32_t node = 0, up_local = 0, up_remote = 0;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> const char* {
@@ -109,6 +116,18 @@ int main(int argc, char** argv) {
       if (front != "vfio-user" && front != "ivshmem") return usage(), 2;
     } else if (a == "--guest-ram") {
       guest_ram = next();
+    } else if (a == "--node") {
+      if (!parse_u32(next(), 0, 255, &node)) return usage(), 2;
+    } else if (a == "--uplink") {
+      const std::string v = next();
+      const size_t c = v.find(':');
+      if (c == std::string::npos || !parse_u32(v.substr(0, c).c_str(), 1, 65535, &up_local) ||
+          !parse_u32(v.substr(c + 1).c_str(), 1, 65535, &up_remote)) {
+        std::fprintf(stderr, "hcomm-sim: --uplink LOCAL_PORT:REMOTE_PORT\n");
+        return 2;
+      }
+    } else if (a == "--pcap") {
+      pcap = next();
     } else if (a == "-h" || a == "--help") {
       usage();
       return 0;
@@ -134,6 +153,7 @@ int main(int argc, char** argv) {
   for (uint32_t d = 0; d < devices; ++d) {
     sim::DeviceConfig cfg;
     cfg.fabric_index = d;
+    cfg.node = node;
     cfg.hbm_size = hbm;
     cfg.num_queues = queues;
     cfg.spin_us = spin_us;
@@ -147,6 +167,14 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "hcomm-sim: %s\n", st.to_string().c_str());
       return 1;
     }
+  }
+  sim::Fabric::NetOptions net;
+  net.uplink_local = static_cast<uint16_t>(up_local);
+  net.uplink_remote = static_cast<uint16_t>(up_remote);
+  net.pcap = pcap;
+  if (Status st = fabric.start_network(net); !st) {
+    std::fprintf(stderr, "hcomm-sim: network: %s\n", st.to_string().c_str());
+    return 1;
   }
   for (const auto& f : faults) {
     std::string r = sim::control_command(fabric, f);

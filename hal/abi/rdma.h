@@ -148,10 +148,43 @@ struct Cqe {
   uint8_t opcode;     // WcOp
   uint8_t status;     // WcStatus
   uint8_t flags;      // wc_flag::
-  uint8_t phase;      // ring phase bit (as §8.7)
+  uint8_t phase;      // ring phase bit (as §8.7): written last
   uint32_t vendor_err;  // the AETH syndrome of a NAK, else 0
-  uint32_t rsvd;
+  uint32_t wqe_index;   // the free-running SQ or RQ index of the work request
 };
-static_assert(sizeof(Cqe) == 32);
+static_assert(sizeof(Cqe) == 32 && offsetof(Cqe, phase) == 23);
+
+// ---- a queue pair's rings (§15.3) ---------------------------------------------------------
+// QP_CREATE's argument: three rings and a shadow block, each inside one ATT
+// entry (SQ and RQ readable, CQ and shadow writable), 64-byte aligned.
+struct QpCreate {
+  uint64_t sq_iova;  // 1 << sq_log2 SendWqe
+  uint64_t rq_iova;  // 1 << rq_log2 RecvWqe
+  uint64_t cq_iova;  // 1 << cq_log2 Cqe (send and receive completions)
+  uint64_t shadow_iova;  // QpShadow
+  uint32_t sq_log2, rq_log2, cq_log2;  // 1..12 each
+  uint32_t rsvd[5];
+};
+static_assert(sizeof(QpCreate) == 64);
+
+// The indices driver and engine exchange through memory (no MMIO on the
+// data path): the driver stores sq_tail / rq_tail (release) after writing
+// work requests and cq_head after consuming completions; the engine stores
+// sq_head / rq_head as it takes work requests. Free-running u32 indices.
+struct QpShadow {
+  uint32_t sq_tail;
+  uint32_t rq_tail;
+  uint32_t cq_head;
+  uint32_t rsvd0;
+  uint32_t sq_head;  // engine-written
+  uint32_t rq_head;  // engine-written
+  uint32_t rsvd1[10];
+};
+static_assert(sizeof(QpShadow) == 64);
+
+// QP numbers: a device's QP slot s has number kQpnBase + s (0 and 1 are
+// special in the IBA).
+inline constexpr uint32_t kQpnBase = 0x100;
+inline constexpr uint32_t kMaxRingLog2 = 12;
 
 }  // namespace hcomm::hal::abi::rdma

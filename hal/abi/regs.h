@@ -26,7 +26,7 @@ inline constexpr uint32_t kPciClassCode = 0x120000;  // processing accelerator
 // ABI version: major in [31:16], minor in [15:0]. A driver accepts any device
 // with the same major and a minor >= the one it was built for.
 inline constexpr uint16_t kAbiMajor = 1;
-inline constexpr uint16_t kAbiMinor = 2;  // 1.1: FETCH_ADD / CMP_SWAP (cap::ATOMIC); 1.2: cap::ATT_SPAN
+inline constexpr uint16_t kAbiMinor = 3;  // 1.1: FETCH_ADD / CMP_SWAP (cap::ATOMIC); 1.2: cap::ATT_SPAN; 1.3: cap::ROCE
 inline constexpr uint32_t abi_version(uint16_t major, uint16_t minor) {
   return (uint32_t{major} << 16) | minor;
 }
@@ -94,6 +94,22 @@ inline constexpr uint32_t Q_COMPLETED = 0x28;     // RO u64, descriptors complet
 
 inline constexpr uint32_t queue(uint32_t q, uint32_t field) { return QUEUE_BASE + q * QUEUE_STRIDE + field; }
 
+// Network engine (cap::ROCE, ABI >= 1.3), §15: the port, a command window
+// for the memory-key table and the RC queue pairs, and the port counters.
+inline constexpr uint32_t NET_MAC = 0x800;        // RO u64, the port's MAC in [47:0] (first octet in [47:40])
+inline constexpr uint32_t NET_IP = 0x808;         // RW u32, the port's IPv4 address (its GID); 0 = none
+inline constexpr uint32_t NET_LINK = 0x80c;       // RO u32, 1 = link up
+inline constexpr uint32_t NET_MAX_MTU = 0x810;    // RO u32, largest path MTU in bytes (4096)
+inline constexpr uint32_t NET_NUM_QP = 0x814;     // RO u32, queue-pair slots
+inline constexpr uint32_t NET_NUM_MR = 0x818;     // RO u32, memory-key table entries
+inline constexpr uint32_t NET_CMD = 0x81c;        // WO u32, net_cmd:: value; executes at once
+inline constexpr uint32_t NET_CMD_STATUS = 0x820; // RO u32, net_status:: result of the last NET_CMD
+inline constexpr uint32_t NET_CMD_RESULT = 0x824; // RO u32, its result (QP_CREATE: the QP number)
+inline constexpr uint32_t NET_CMD_ARG = 0x840;    // RW, 128 bytes: the command's argument block
+inline constexpr uint32_t kNetCmdArgSize = 128;
+inline constexpr uint32_t NET_COUNTERS = 0x900;   // RO u64 each, net_counter:: index * 8
+inline constexpr uint32_t kNetCounterCount = 16;
+
 // Doorbells, §8: one 32-bit doorbell per queue in the doorbell page.
 inline constexpr uint32_t DOORBELL_STRIDE = 8;
 inline constexpr uint32_t doorbell(uint32_t q) {
@@ -118,10 +134,13 @@ inline constexpr RegSpan kRegMap[] = {
     {reg::QUEUE_BASE + reg::Q_SHADOW, 8}, {reg::QUEUE_BASE + reg::Q_SIZE_LOG2, 4},
     {reg::QUEUE_BASE + reg::Q_MSIX, 4}, {reg::QUEUE_BASE + reg::Q_CTRL, 4},
     {reg::QUEUE_BASE + reg::Q_STATUS, 4}, {reg::QUEUE_BASE + reg::Q_COMPLETED, 8},
+    {reg::NET_MAC, 8}, {reg::NET_IP, 4}, {reg::NET_LINK, 4}, {reg::NET_MAX_MTU, 4}, {reg::NET_NUM_QP, 4},
+    {reg::NET_NUM_MR, 4}, {reg::NET_CMD, 4}, {reg::NET_CMD_STATUS, 4}, {reg::NET_CMD_RESULT, 4},
+    {reg::NET_CMD_ARG, reg::kNetCmdArgSize}, {reg::NET_COUNTERS, reg::kNetCounterCount * 8},
 };
 constexpr bool reg_map_ok() {
   for (const RegSpan& a : kRegMap) {
-    if (a.off % a.width != 0 || a.off + a.width > kControlPageSize) return false;
+    if (a.off % (a.width > 8 ? 8 : a.width) != 0 || a.off + a.width > kControlPageSize) return false;
     for (const RegSpan& b : kRegMap)
       if (&a != &b && a.off < b.off + b.width && b.off < a.off + a.width) return false;
   }
@@ -146,6 +165,7 @@ inline constexpr uint64_t MSIX = 1u << 7;
 inline constexpr uint64_t WAKE_SUPPRESS = 1u << 8;  // QueueShadow::need_wakeup is maintained
 inline constexpr uint64_t ATOMIC = 1u << 9;         // FETCH_ADD / CMP_SWAP (ABI >= 1.1)
 inline constexpr uint64_t ATT_SPAN = 1u << 10;      // data operands may run through adjacent ATT entries (ABI >= 1.2, §6.4)
+inline constexpr uint64_t ROCE = 1u << 11;          // the RoCEv2 network engine and its registers (ABI >= 1.3, §14-§16)
 }  // namespace cap
 
 namespace ctrl {  // CONTROL bits
@@ -186,6 +206,33 @@ inline constexpr uint32_t BAD_FLAGS = 4;    // unknown bits, unknown kind, no ri
 inline constexpr uint32_t NOT_MAPPED = 5;   // KIND_HOST target not backed by host DMA memory
 inline constexpr uint32_t BAD_CMD = 6;
 }  // namespace att_status
+
+namespace net_cmd {  // NET_CMD values (§15.2); arguments in NET_CMD_ARG
+inline constexpr uint32_t MR_SET = 1;         // arg: rdma::MrEntry (installs entry key_index(key))
+inline constexpr uint32_t MR_INVALIDATE = 2;  // arg: u32 key
+inline constexpr uint32_t QP_CREATE = 3;      // arg: rdma::QpCreate; result: the QP number
+inline constexpr uint32_t QP_MODIFY = 4;      // arg: rdma::QpAttr, then u32 QP number at offset 64
+inline constexpr uint32_t QP_DESTROY = 5;     // arg: u32 QP number
+inline constexpr uint32_t QP_QUERY = 6;       // arg: u32 QP number; result: its rdma::QpState
+}  // namespace net_cmd
+
+namespace net_status {
+inline constexpr uint32_t OK = 0;
+inline constexpr uint32_t BAD_CMD = 1;     // unknown command
+inline constexpr uint32_t BAD_ARG = 2;     // a field out of range (reserved bits, sizes, access bits, MTU, ...)
+inline constexpr uint32_t NOT_FOUND = 3;   // no such key or QP
+inline constexpr uint32_t IN_USE = 4;      // the key index is taken
+inline constexpr uint32_t NO_SLOT = 5;     // every QP slot is in use
+inline constexpr uint32_t BAD_STATE = 6;   // a state change the QP state machine does not allow
+inline constexpr uint32_t UNMAPPED = 7;    // a ring or the shadow block not inside one ATT entry with the rights
+}  // namespace net_status
+
+namespace net_counter {  // NET_COUNTERS index
+inline constexpr uint32_t TX_FRAMES = 0, RX_FRAMES = 1, RX_BAD_ICRC = 2, RX_MALFORMED = 3, RX_NOT_ROCE = 4,
+                          RX_UNSUPPORTED = 5, RX_NO_QP = 6, RETRANSMITS = 7, TIMEOUTS = 8, SEQ_NAKS_SENT = 9,
+                          SEQ_NAKS_RCVD = 10, RNR_NAKS_SENT = 11, RNR_NAKS_RCVD = 12, DUPLICATES = 13,
+                          ACCESS_NAKS_SENT = 14, ARP_REPLIES = 15;
+}  // namespace net_counter
 
 namespace qctrl {
 inline constexpr uint32_t ENABLE = 1u << 0;  // 0 -> 1 validates the config and starts the queue

@@ -22,6 +22,9 @@
 namespace hcomm::hal::npu {
 
 class DmaQueue;
+class RdmaQp;
+struct NetInfo;
+struct QpOptions;
 
 struct DeviceInfo {
   uint16_t vendor_id = 0;
@@ -117,6 +120,17 @@ class Device {
   // MSI-X eventfd the queue waits on (else wait() polls).
   Status create_queue(uint32_t log2, bool interrupts, std::unique_ptr<DmaQueue>* out);
 
+  // ---- the network engine (cap::ROCE, §15; hal/npu/rdma_qp.h) ----
+  Status net_info(NetInfo* out);
+  Status net_set_ip(uint32_t ip);
+  // A memory key over [iova, iova + len) (a mapping's IOVAs) with
+  // rdma::access rights; a new key byte each time an index is reused.
+  Status mr_register(uint64_t iova, uint64_t len, uint8_t access, uint32_t* key);
+  Status mr_invalidate(uint32_t key);
+  Status create_qp(const QpOptions& o, std::unique_ptr<RdmaQp>* out);
+  // One NET_CMD with its argument block; result: NET_CMD_RESULT.
+  Status net_command(uint32_t cmd, const void* arg, size_t len, uint32_t* result);
+
   Status error_log(ErrorLog* out);
   Status clear_errors();
 
@@ -132,6 +146,10 @@ class Device {
   uint64_t alloc_iova(uint64_t len);
   void release_queue(uint32_t q);
   friend class DmaQueue;
+  friend class RdmaQp;
+  std::mutex _net_mu;                // NET_CMD and its argument window
+  std::vector<uint8_t> _mr_gen;      // key byte last used per key index
+  std::vector<bool> _mr_used;
 
   std::unique_ptr<driver::Link> _link;
   DeviceInfo _info;

@@ -160,6 +160,14 @@ uint32_t Engine::create_qp() {
   return qpn;
 }
 
+uint32_t Engine::create_qp(uint32_t qpn) {
+  if (qpn < 2 || qpn > wire::kPsnMask || _qps.count(qpn) != 0) return 0;
+  auto q = std::make_unique<Qp>();
+  q->qpn = qpn;
+  _qps[qpn] = std::move(q);
+  return qpn;
+}
+
 Status Engine::destroy_qp(uint32_t qpn) {
   if (_qps.erase(qpn) == 0) return Status::error(Code::not_found, "QP %u does not exist", qpn);
   return Status::ok();

@@ -100,10 +100,14 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   const PortAddr& addr() const { return _addr; }
+  void set_ip(uint32_t ip) { _addr.ip = ip; }
   const Counters& counters() const { return _c; }
 
-  // Queue pairs (§15.2). QPNs start at 2 (0 and 1 are special in the IBA).
+  // Queue pairs (§15.2). QPNs start at 2 (0 and 1 are special in the IBA);
+  // create_qp(n) takes the number n (a device gives slot s kQpnBase + s) and
+  // returns 0 when n is invalid or in use.
   uint32_t create_qp();
+  uint32_t create_qp(uint32_t qpn);
   Status modify_qp(uint32_t qpn, const rdma::QpAttr& a);
   Status destroy_qp(uint32_t qpn);
   rdma::QpState qp_state(uint32_t qpn) const;
