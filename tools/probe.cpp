@@ -29,6 +29,8 @@
 #include "driver/pci.h"
 #include "hal/npu/device.h"
 #include "hal/npu/dma_queue.h"
+#include "hal/npu/rdma_qp.h"
+#include "hal/abi/roce.h"
 #include "hcomm_config.h"
 #include "tools/options.h"
 
@@ -92,7 +94,7 @@ std::string caps_string(uint64_t caps) {
       {abi::cap::COPY, "copy"},         {abi::cap::FILL, "fill"},   {abi::cap::REDUCE, "reduce"},
       {abi::cap::NOTIFY, "notify"},     {abi::cap::FP16, "fp16"},   {abi::cap::BF16, "bf16"},
       {abi::cap::PEER_DMA, "peer_dma"}, {abi::cap::MSIX, "msix"},   {abi::cap::WAKE_SUPPRESS, "wake_suppress"},
-      {abi::cap::ATOMIC, "atomic"},     {abi::cap::ATT_SPAN, "att_span"}};
+      {abi::cap::ATOMIC, "atomic"},     {abi::cap::ATT_SPAN, "att_span"}, {abi::cap::ROCE, "roce"}};
   std::string s;
   for (auto& [bit, n] : names)
     if (caps & bit) {  // (not `"," + std::string(n)`: GCC 12 -O3 warns -Wrestrict on it)
@@ -215,6 +217,22 @@ int cmd_info(const Opts& o, const std::string& name) {
   const auto& in = dev->info();
   npu::ErrorLog el;
   Status est = dev->error_log(&el);
+  // The network engine (cap::ROCE): the port, its counters, the QPs in use.
+  npu::NetInfo net;
+  const bool has_net = (in.caps & abi::cap::ROCE) != 0 && dev->net_info(&net).is_ok();
+  std::vector<std::pair<uint32_t, abi::rdma::QpState>> qps;
+  if (has_net) {
+    for (uint32_t s = 0; s < net.num_qp; ++s) {
+      uint32_t qpn = abi::rdma::kQpnBase + s, st = 0;
+      if (dev->net_command(abi::net_cmd::QP_QUERY, &qpn, 4, &st).is_ok())
+        qps.emplace_back(qpn, static_cast<abi::rdma::QpState>(st));
+    }
+  }
+  static const char* const kCounterNames[abi::reg::kNetCounterCount] = {
+      "tx_frames", "rx_frames", "rx_bad_icrc", "rx_malformed", "rx_not_roce", "rx_unsupported", "rx_no_qp",
+      "retransmits", "timeouts", "seq_naks_sent", "seq_naks_rcvd", "rnr_naks_sent", "rnr_naks_rcvd", "duplicates",
+      "access_naks_sent", "arp_replies"};
+  static const char* const kQpStates[] = {"RESET", "INIT", "RTR", "RTS", "ERR"};
   if (o.json) {
     JObj j;
     j.str("name", name).str("link", dev->link().kind()).str("location", dev->link().location())
@@ -225,6 +243,15 @@ int cmd_info(const Opts& o, const std::string& name) {
         .num("msix_vectors", in.num_msix).num("fabric_index", in.fabric_index).num("fabric_size", in.fabric_size)
         .boolean("hbm_mapped", dev->hbm() != nullptr);
     if (est) j.num("errors", el.count).num("last_error_code", el.last_code).num("completed", el.completed);
+    if (has_net) {
+      j.str("port_mac", hal::abi::roce::mac_string(net.mac)).str("port_ip", hal::abi::roce::ip_string(net.ip))
+          .boolean("port_link_up", net.link_up).num("port_max_mtu", net.max_mtu).num("port_qp_slots", net.num_qp)
+          .num("port_keys", net.num_mr);
+      for (uint32_t i = 0; i < abi::reg::kNetCounterCount; ++i) j.num(std::string("port_") + kCounterNames[i], net.counters[i]);
+      std::vector<std::string> jq;
+      for (auto& [qpn, st] : qps) jq.push_back(jstr(std::to_string(qpn) + " " + kQpStates[static_cast<int>(st) % 5]));
+      j.raw("qps", jarr(jq));
+    }
     std::printf("%s\n", j.done().c_str());
   } else {
     std::printf("%s (%s %s)\n", name.c_str(), dev->link().kind(), dev->link().location().c_str());
@@ -240,6 +267,19 @@ int cmd_info(const Opts& o, const std::string& name) {
     if (est)
       std::printf("  errors       %" PRIu64 " (last code %u %s), %" PRIu64 " descriptors completed\n", el.count,
                   el.last_code, abi::cq_status_name(static_cast<abi::CqStatus>(el.last_code)), el.completed);
+    if (has_net) {
+      std::printf("  port         MAC %s, IPv4 %s (GID ::ffff:%s), link %s, MTU up to %u, %u QP slots, %u keys\n",
+                  hal::abi::roce::mac_string(net.mac).c_str(), hal::abi::roce::ip_string(net.ip).c_str(),
+                  hal::abi::roce::ip_string(net.ip).c_str(), net.link_up ? "up" : "down", net.max_mtu, net.num_qp,
+                  net.num_mr);
+      std::string c;
+      for (uint32_t i = 0; i < abi::reg::kNetCounterCount; ++i)
+        if (net.counters[i] != 0) c += std::string(c.empty() ? "" : ", ") + kCounterNames[i] + " " + std::to_string(net.counters[i]);
+      std::printf("  counters     %s\n", c.empty() ? "all 0" : c.c_str());
+      std::string q;
+      for (auto& [qpn, st] : qps) q += std::string(q.empty() ? "" : ", ") + std::to_string(qpn) + " " + kQpStates[static_cast<int>(st) % 5];
+      std::printf("  QPs          %s\n", q.empty() ? "none" : q.c_str());
+    }
   }
   return 0;
 }
@@ -272,6 +312,7 @@ class SelfTest {
   std::string atomics();
   std::string ring_wrap();
   std::string expected_errors();
+  std::string roce_loopback();
   std::string run_queue(npu::DmaQueue& q, abi::CqStatus* first = nullptr);
 
   npu::Device& _dev;
@@ -486,6 +527,77 @@ std::string SelfTest::expected_errors() {
   return "";
 }
 
+// Two queue pairs on this device's port, connected to each other: the
+// frames leave the port and come back (the simulator's switch, or a port in
+// loopback). WRITE host -> HBM, READ HBM -> host, FETCH_ADD on HBM.
+std::string SelfTest::roce_loopback() {
+  namespace rdma = abi::rdma;
+  npu::NetInfo net;
+  if (Status st = _dev.net_info(&net); !st) return st.to_string();
+  if (!net.link_up) return "link down";
+  uint32_t khost = 0, khbm = 0;
+  if (Status st = _dev.mr_register(_ma.iova, kLen, rdma::access::ALL, &khost); !st) return st.to_string();
+  if (Status st = _dev.mr_register(_mhbm.iova, 2 * kLen, rdma::access::ALL, &khbm); !st) {
+    (void)_dev.mr_invalidate(khost);
+    return st.to_string();
+  }
+  std::string err;
+  {
+    npu::QpOptions o;
+    o.timeout = 14;
+    std::unique_ptr<npu::RdmaQp> a, b;
+    Status st = _dev.create_qp(o, &a);
+    if (st) st = _dev.create_qp(o, &b);
+    npu::QpPeer pa{b ? b->qpn() : 0, net.ip, {}, 0}, pb{a ? a->qpn() : 0, net.ip, {}, 0};
+    std::memcpy(pa.mac, net.mac, 6);
+    std::memcpy(pb.mac, net.mac, 6);
+    if (st) st = a->connect(pa);
+    if (st) st = b->connect(pb);
+    if (!st) err = st.to_string();
+    auto* host = static_cast<uint8_t*>(_a.data());
+    for (uint64_t i = 0; i < 8192; ++i) host[i] = static_cast<uint8_t>(i * 7 + (i >> 8) + 3);
+    std::memset(host + 0x4000, 0, 8192);  // the READ lands here
+    uint64_t word = 40;
+    std::memcpy(host + 0x8000, &word, 8);
+    auto w = [&](rdma::WrOp op, uint64_t l, uint32_t lk, uint32_t len, uint64_t r, uint32_t rk, uint64_t id) {
+      rdma::SendWqe x{};
+      x.opcode = static_cast<uint8_t>(op);
+      x.flags = rdma::wr_flag::SIGNALED;
+      x.wr_id = id;
+      x.laddr = l;
+      x.lkey = lk;
+      x.length = len;
+      x.raddr = r;
+      x.rkey = rk;
+      x.swap_add = 2;
+      return x;
+    };
+    // host[0, 8K) -> HBM[kLen, +8K); HBM[kLen, +8K) -> host[16K, +8K); fetch_add on host word 0x8000.
+    if (err.empty() && (a->post_send(w(rdma::WrOp::WRITE, _ma.iova, khost, 8192, _mhbm.iova + kLen, khbm, 1)) != Code::ok ||
+                        a->post_send(w(rdma::WrOp::READ, _ma.iova + 0x4000, khost, 8192, _mhbm.iova + kLen, khbm, 2)) != Code::ok ||
+                        a->post_send(w(rdma::WrOp::FETCH_ADD, _mhbm.iova + kLen + 0x4000, khbm, 8, _ma.iova + 0x8000, khost, 3)) != Code::ok))
+      err = "posting failed";
+    if (err.empty()) {
+      rdma::Cqe c[3];
+      if (Status ws = a->wait(3, c, Deadline::after_ms(5000)); !ws) {
+        err = ws.to_string();
+      } else {
+        for (const auto& x : c)
+          if (x.status != 0 && err.empty())
+            err = "wr " + std::to_string(x.wr_id) + ": " + rdma::wc_status_name(static_cast<rdma::WcStatus>(x.status));
+      }
+    }
+    if (err.empty()) {
+      if (std::memcmp(host + 0x4000, host, 8192) != 0) err = "WRITE then READ through the port did not return the bytes";
+      std::memcpy(&word, host + 0x8000, 8);
+      if (err.empty() && word != 42) err = "FETCH_ADD left " + std::to_string(word) + ", want 42";
+    }
+  }
+  (void)_dev.mr_invalidate(khost);
+  (void)_dev.mr_invalidate(khbm);
+  return err;
+}
+
 std::vector<Check> SelfTest::run() {
   check("registers", [&] { return registers(); });
   check("queue setup", [&] { return setup(); });
@@ -499,6 +611,7 @@ std::vector<Check> SelfTest::run() {
   if (_dev.info().caps & abi::cap::ATOMIC) check("fetch_add / cmp_swap", [&] { return atomics(); });
   check("ring wrap (8 entries x 512)", [&] { return ring_wrap(); });
   check("expected errors", [&] { return expected_errors(); });
+  if (_dev.info().caps & abi::cap::ROCE) check("RoCE loopback write/read/atomic through the port", [&] { return roce_loopback(); });
   for (npu::Mapping* m : {&_mhbm, &_mb, &_ma})
     if (m->valid()) (void)_dev.unmap(m);
   _q.reset();

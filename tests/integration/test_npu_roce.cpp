@@ -5,7 +5,11 @@
 // loopback, every work request kind into HBM and into registered host
 // memory, a wrong key, and the switch's fault injection (drop, duplicate,
 // reorder, corrupt; a silent link ending in retry exceeded).
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <memory>
@@ -460,6 +464,143 @@ TEST_F(NpuRoce, ASilentLinkEndsInRetryExceededWithinTheBound) {
   EXPECT_GE(ms, bound * 0.9);
   EXPECT_LE(ms, bound + 500) << "the bound is 4 timeouts of " << bound / 4 << " ms";
   ASSERT_EQ(sim_->control("net clear"), "ok");
+}
+
+}  // namespace
+}  // namespace hcomm
+
+namespace hcomm {
+namespace {
+
+// A UDP port on 127.0.0.1 nobody holds right now.
+uint16_t free_udp_port() {
+  int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t l = sizeof a;
+  uint16_t p = 0;
+  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &l) == 0)
+    p = ntohs(a.sin_port);
+  if (fd >= 0) ::close(fd);
+  return p;
+}
+
+std::unique_ptr<npu::Device> open_dev(const std::string& sock) {
+  Deadline dl = Deadline::after_ms(5000);
+  for (;;) {
+    std::unique_ptr<driver::Link> link;
+    std::unique_ptr<npu::Device> dev;
+    Status st = driver::open_vfio_user(sock, &link, 2000);
+    if (st) st = npu::Device::open(std::move(link), &dev);
+    if (st) return dev;
+    if (dl.expired()) {
+      ADD_FAILURE() << sock << ": " << st.to_string();
+      return nullptr;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+// Two hcomm-sim processes are two nodes (--node 0 / --node 1) whose
+// switches are joined by their uplinks: queue pairs between an NPU of each
+// move data both ways, with faults injected on both sides; then one
+// simulator is killed and the other's requests end in RETRY_EXC_ERR within
+// the QP's bound.
+TEST(NpuRoceNodes, TwoSimulatorsAreTwoNodes) {
+  const uint16_t p0 = free_udp_port(), p1 = free_udp_port();
+  ASSERT_NE(p0, 0);
+  ASSERT_NE(p1, 0);
+  ASSERT_NE(p0, p1);
+  test::SimProcess s0, s1;
+  ASSERT_EQ(s0.start({"--devices", "1", "--hbm", "16M", "--node", "0", "--uplink",
+                      std::to_string(p0) + ":" + std::to_string(p1)}),
+            "");
+  ASSERT_EQ(s1.start({"--devices", "1", "--hbm", "16M", "--node", "1", "--uplink",
+                      std::to_string(p1) + ":" + std::to_string(p0)}),
+            "");
+  std::unique_ptr<npu::Device> d0 = open_dev(s0.socket(0)), d1 = open_dev(s1.socket(0));
+  ASSERT_TRUE(d0 && d1);
+  npu::NetInfo n0, n1;
+  ASSERT_TRUE(d0->net_info(&n0));
+  ASSERT_TRUE(d1->net_info(&n1));
+  EXPECT_EQ(n0.ip, 0x0a000001u);  // 10.0.0.1
+  EXPECT_EQ(n1.ip, 0x0a000101u);  // 10.0.1.1: another node
+  EXPECT_EQ(n1.mac[4], 1);
+  npu::Mapping m0, m1;
+  ASSERT_TRUE(d0->map_hbm(0, kLen, npu::access::RW, &m0));
+  ASSERT_TRUE(d1->map_hbm(0, kLen, npu::access::RW, &m1));
+  uint32_t k0 = 0, k1 = 0;
+  ASSERT_TRUE(d0->mr_register(m0.iova, kLen, rdma::access::ALL, &k0));
+  ASSERT_TRUE(d1->mr_register(m1.iova, kLen, rdma::access::ALL, &k1));
+  uint8_t *h0 = d0->hbm(), *h1 = d1->hbm();
+  npu::QpOptions o;
+  o.timeout = 10;  // 4.2 ms
+  o.retry_cnt = 5;
+  std::unique_ptr<npu::RdmaQp> a, b;
+  ASSERT_TRUE(d0->create_qp(o, &a));
+  o.sq_psn = 1000;
+  ASSERT_TRUE(d1->create_qp(o, &b));
+  npu::QpPeer pa{b->qpn(), n1.ip, {}, 1000}, pb{a->qpn(), n0.ip, {}, 0};
+  std::memcpy(pa.mac, n1.mac, 6);
+  std::memcpy(pb.mac, n0.mac, 6);
+  ASSERT_TRUE(a->connect(pa));
+  ASSERT_TRUE(b->connect(pb));
+  ASSERT_EQ(s0.control("net faults drop=5 dup=5 reorder=5 corrupt=1 seed=2"), "ok");
+  ASSERT_EQ(s1.control("net faults drop=5 dup=5 reorder=5 corrupt=1 seed=3"), "ok");
+  for (size_t i = 0; i < 200000; ++i) h0[i] = static_cast<uint8_t>(i * 5 + 1);
+  for (size_t i = 0; i < 200000; ++i) h1[0x40000 + i] = static_cast<uint8_t>(i * 3 + 2);
+  auto w = [](rdma::WrOp op, uint64_t l, uint32_t lk, uint32_t len, uint64_t r, uint32_t rk, uint64_t id) {
+    rdma::SendWqe x{};
+    x.opcode = static_cast<uint8_t>(op);
+    x.flags = rdma::wr_flag::SIGNALED;
+    x.wr_id = id;
+    x.laddr = l;
+    x.lkey = lk;
+    x.length = len;
+    x.raddr = r;
+    x.rkey = rk;
+    x.swap_add = 1;
+    return x;
+  };
+  // Node 0 writes 200 KB to node 1 and reads 200 KB back from it; node 1
+  // fetch-adds into node 0 (each side initiates).
+  ASSERT_EQ(a->post_send(w(rdma::WrOp::WRITE, m0.iova, k0, 200000, m1.iova, k1, 1)), Code::ok);
+  ASSERT_EQ(a->post_send(w(rdma::WrOp::READ, m0.iova + 0x40000, k0, 200000, m1.iova + 0x40000, k1, 2)), Code::ok);
+  for (int i = 0; i < 20; ++i)
+    ASSERT_EQ(b->post_send(w(rdma::WrOp::FETCH_ADD, m1.iova + 0x80000 + 8 * i, k1, 8, m0.iova + 0x90000, k0, 10 + i)),
+              Code::ok);
+  rdma::Cqe ca[2], cb[20];
+  ASSERT_TRUE(a->wait(2, ca, Deadline::after_ms(30000)));
+  ASSERT_TRUE(b->wait(20, cb, Deadline::after_ms(30000)));
+  for (const auto& c : ca) EXPECT_EQ(c.status, 0) << rdma::wc_status_name(static_cast<WcStatus>(c.status));
+  for (const auto& c : cb) EXPECT_EQ(c.status, 0) << rdma::wc_status_name(static_cast<WcStatus>(c.status));
+  EXPECT_EQ(std::memcmp(h1, h0, 200000), 0);
+  EXPECT_EQ(std::memcmp(h0 + 0x40000, h1 + 0x40000, 200000), 0);
+  uint64_t word = 0;
+  std::memcpy(&word, h0 + 0x90000, 8);
+  EXPECT_EQ(word, 20u);
+  for (uint64_t i = 0; i < 20; ++i) {  // each fetch-add saw the one before it
+    uint64_t old = 99;
+    std::memcpy(&old, h1 + 0x80000 + 8 * i, 8);
+    EXPECT_EQ(old, i);
+  }
+  npu::NetInfo f0, f1;
+  ASSERT_TRUE(d0->net_info(&f0));
+  ASSERT_TRUE(d1->net_info(&f1));
+  EXPECT_GT(f0.counters[abi::net_counter::RETRANSMITS] + f1.counters[abi::net_counter::RETRANSMITS], 0u);
+  // The other node dies: retry exceeded within (retry_cnt + 1) timeouts.
+  ASSERT_EQ(s0.control("net clear"), "ok");
+  s1.stop();
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(a->post_send(w(rdma::WrOp::WRITE, m0.iova, k0, 64, m1.iova, k1, 3)), Code::ok);
+  ASSERT_TRUE(a->wait(1, ca, Deadline::after_ms(5000)));
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(ca[0].status, static_cast<uint8_t>(WcStatus::RETRY_EXC_ERR));
+  const double bound = 6 * 4.096e-3 * (1 << 10);
+  EXPECT_LE(ms, bound + 500) << "bound " << bound << " ms";
+  (void)d0->unmap(&m0);
 }
 
 }  // namespace
