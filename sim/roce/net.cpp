@@ -144,7 +144,7 @@ struct NetPort::Slot {
 };
 
 NetPort::NetPort(uint32_t node, uint32_t index, MemoryAccess& mem, NetSwitch& sw)
-    : _node(node), _index(index), _mem(mem), _sw(sw) {
+    : _mem(mem), _sw(sw) {
   const uint8_t mac[6] = {0x02, 0x4e, 0x50, 0x55, static_cast<uint8_t>(node), static_cast<uint8_t>(index)};
   std::memcpy(_addr.mac, mac, 6);
   _default_ip = 0x0a000000u | (node & 0xff) << 8 | ((index + 1) & 0xff);

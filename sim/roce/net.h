@@ -116,7 +116,6 @@ class NetPort {
   void on_cqe(const rdma::Cqe& c);                    // holds _mu
   bool flush_cqes(Slot& s);                           // holds _mu
 
-  const uint32_t _node, _index;
   MemoryAccess& _mem;
   NetSwitch& _sw;
   uint32_t _sw_port = 0;
