@@ -1066,9 +1066,13 @@ void Fabric::stop_network() {
 }
 
 // Every device's network engine, the switch's reorder buffer and the
-// uplink, round after round; naps 100 us when a round moved nothing.
+// uplink, round after round. Like the DMA engines it keeps polling for a
+// while after the last round that moved something (a reply is usually on
+// its way), then naps 100 us per idle round.
 void Fabric::network_loop() {
   std::vector<uint8_t> buf(hal::abi::roce::kMaxFrame + 64);
+  uint64_t last_busy = 0;
+  const uint32_t spin_us = _devices.empty() ? 0 : _devices[0]->config().spin_us;
   while (!_net_stop.load(std::memory_order_relaxed)) {
     const auto now = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                                std::chrono::steady_clock::now().time_since_epoch())
@@ -1084,7 +1088,13 @@ void Fabric::network_loop() {
         moved = true;
       }
     }
-    if (!moved) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    if (moved) {
+      last_busy = now;
+    } else if (now - last_busy > uint64_t{spin_us} * 1000) {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    } else {
+      std::this_thread::yield();
+    }
   }
 }
 

@@ -388,7 +388,19 @@ bool Engine::tx_qp(Qp& q, uint64_t now) {
       psn = wire::psn_add(s.first_psn, s.read_got / q.mtu);
       off = s.read_got;
     }
-    if (static_cast<uint32_t>(wire::psn_diff(wire::psn_add(psn, rd ? s.npsn - 1 : 0), q.una)) >= kWindow) break;
+    // Packets acknowledged while this request was being sent again after a
+    // go-back (a late ACK inside it) need not go again.
+    if (!rd && wire::psn_diff(psn, q.una) < 0) {
+      const int32_t d = wire::psn_diff(q.una, s.first_psn);
+      if (d > 0 && static_cast<uint32_t>(d) < s.npkt) {
+        q.tx_pkt = static_cast<uint32_t>(d);
+        continue;
+      }
+    }
+    // At most kWindow PSNs unacknowledged. (A READ is judged by its request:
+    // one longer than the window still goes, and the PSNs its responses
+    // take hold back what follows it.)
+    if (wire::psn_diff(psn, q.una) >= static_cast<int32_t>(kWindow)) break;
     if (rd || (w.flags & rdma::wr_flag::FENCE)) {
       // At most max_rd_atomic READs/atomics in flight; a fenced request
       // waits for every earlier one to finish.
@@ -494,8 +506,12 @@ void Engine::go_back(Qp& q, uint32_t psn) {
 // answer yet means the answer was lost: resend from it.
 void Engine::ack_through(Qp& q, uint32_t psn, uint64_t now) {
   bool progress = false;
-  for (size_t i = 0; i < q.sq.size() && i < q.tx_idx; ++i) {
+  // By PSN, not by the transmit cursor: the request being sent (an ACK
+  // inside a message longer than the window) and requests sent before a
+  // go-back count too.
+  for (size_t i = 0; i < q.sq.size(); ++i) {
     Qp::Slot& s = q.sq[i];
+    if (s.bad != WcStatus::SUCCESS || wire::psn_diff(s.first_psn, psn) > 0) break;
     const uint32_t last = wire::psn_add(s.first_psn, s.npsn - 1);
     if (wire::psn_diff(last, psn) > 0) {
       // An ACK inside a long SEND/WRITE (AckReq every kAckEvery PSNs): the
@@ -534,7 +550,7 @@ void Engine::ack_through(Qp& q, uint32_t psn, uint64_t now) {
 }
 
 void Engine::complete_front(Qp& q) {
-  while (!q.sq.empty() && q.sq.front().done && q.tx_idx > 0) {
+  while (!q.sq.empty() && q.sq.front().done) {
     const Qp::Slot& s = q.sq.front();
     if (s.w.flags & rdma::wr_flag::SIGNALED) {
       const uint32_t len = static_cast<rdma::WrOp>(s.w.opcode) == rdma::WrOp::READ ? s.w.length
@@ -544,7 +560,11 @@ void Engine::complete_front(Qp& q) {
                     static_cast<uint8_t>(WcStatus::SUCCESS), 0, 0, 0, 0});
     }
     q.sq.pop_front();
-    --q.tx_idx;
+    if (q.tx_idx > 0) {
+      --q.tx_idx;
+    } else {
+      q.tx_pkt = 0;  // acknowledged while being sent again after a go-back: the rest need not go
+    }
   }
 }
 
@@ -678,11 +698,11 @@ void Engine::requester_rx(Qp& q, const wire::Packet& p, uint64_t now) {
   }
   // READ responses and atomic acknowledgements: find the request by PSN.
   size_t i = 0;
-  for (; i < q.sq.size() && i < q.tx_idx; ++i) {
+  for (; i < q.sq.size() && q.sq[i].bad == WcStatus::SUCCESS; ++i) {
     const int32_t d = wire::psn_diff(p.psn, q.sq[i].first_psn);
     if (d >= 0 && static_cast<uint32_t>(d) < q.sq[i].npsn) break;
   }
-  if (i == q.sq.size() || i >= q.tx_idx) return;  // not outstanding (a late duplicate)
+  if (i == q.sq.size() || q.sq[i].bad != WcStatus::SUCCESS) return;  // not outstanding (a late duplicate)
   Qp::Slot& s = q.sq[i];
   if (s.done) return;
   if (op == Op::ATOMIC_ACKNOWLEDGE) {

@@ -46,7 +46,7 @@ bool same(const Packet& a, const Packet& b) {
          a.dma_len == b.dma_len && a.swap_add == b.swap_add && a.compare == b.compare && a.syndrome == b.syndrome &&
          a.msn == b.msn && a.orig == b.orig && a.dtype == b.dtype && a.redop == b.redop && a.imm == b.imm &&
          a.payload_len == b.payload_len && a.src_ip == b.src_ip && a.dst_ip == b.dst_ip &&
-         std::memcmp(a.payload, b.payload, a.payload_len) == 0;
+         (a.payload_len == 0 || std::memcmp(a.payload, b.payload, a.payload_len) == 0);
 }
 
 }  // namespace

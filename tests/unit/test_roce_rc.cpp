@@ -417,6 +417,46 @@ TEST_F(RoceRc, ExactResultsOnABadWire) {
               static_cast<unsigned long long>(c0.seq_naks_sent + c1.seq_naks_sent));
 }
 
+// Messages longer than the requester's window (200 packets of 1 KiB > 128
+// unacknowledged PSNs): the coalesced ACKs inside a message move the window,
+// and a READ longer than the window still goes. Clean, then on a bad wire.
+TEST_F(RoceRc, MessagesLongerThanTheWindow) {
+  register_all();
+  connect();
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round == 0 ? "clean wire" : "bad wire");
+    if (round == 1) wire.f = Faults{10, 5, 10, 1, false};
+    n[0].cq.clear();
+    n[1].cq.clear();
+    constexpr uint32_t kBig = 200 * 1024;  // regions at 0, 256 K, 512 K, 768 K
+    fill(0, kBase, kBig, static_cast<uint8_t>(11 + round));
+    fill(1, kBase + 0x40000, kBig, static_cast<uint8_t>(22 + round));
+    std::vector<int32_t> acc(kBig / 4, 3), add(kBig / 4);
+    for (size_t i = 0; i < add.size(); ++i) add[i] = static_cast<int32_t>(i % 1000) - 500;
+    std::memcpy(n[1].mem.at(kBase + 0x80000), acc.data(), kBig);
+    std::memcpy(n[0].mem.at(kBase + 0x80000), add.data(), kBig);
+    post(0, wqe(rdma::WrOp::WRITE, kBase, kBig, kBase, 1));
+    post(0, wqe(rdma::WrOp::READ, kBase + 0x40000, kBig, kBase + 0x40000, 2));
+    rdma::SendWqe r = wqe(rdma::WrOp::WRITE_REDUCE, kBase + 0x80000, kBig, kBase + 0x80000, 3);
+    r.dtype = static_cast<uint8_t>(hal::abi::DType::INT32);
+    post(0, r);
+    post_recv(1, kBase + 0xc0000, kBig, 9);
+    post(0, wqe(rdma::WrOp::SEND, kBase, kBig, 0, 4));
+    run();
+    expect_all_success(n[0].cq, 4);
+    ASSERT_EQ(n[1].cq.size(), 1u);
+    EXPECT_EQ(n[1].cq[0].byte_len, kBig);
+    EXPECT_EQ(std::memcmp(n[1].mem.at(kBase), n[0].mem.at(kBase), kBig), 0);
+    EXPECT_EQ(std::memcmp(n[0].mem.at(kBase + 0x40000), n[1].mem.at(kBase + 0x40000), kBig), 0);
+    EXPECT_EQ(std::memcmp(n[1].mem.at(kBase + 0xc0000), n[0].mem.at(kBase), kBig), 0);
+    std::vector<int32_t> got(kBig / 4);
+    std::memcpy(got.data(), n[1].mem.at(kBase + 0x80000), kBig);
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], 3 + add[i]) << i;
+  }
+  EXPECT_GT(wire.corrupted, 0u);
+  EXPECT_EQ(n[0].eng->counters().rx_bad_icrc + n[1].eng->counters().rx_bad_icrc, wire.corrupted);
+}
+
 // Duplicated on every hop: nothing non-idempotent runs twice.
 TEST_F(RoceRc, DuplicatesAreNeverAppliedTwice) {
   register_all();
