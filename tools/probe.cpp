@@ -560,15 +560,7 @@ std::string SelfTest::roce_loopback() {
     uint64_t word = 40;
     std::memcpy(host + 0x8000, &word, 8);
     auto w = [&](rdma::WrOp op, uint64_t l, uint32_t lk, uint32_t len, uint64_t r, uint32_t rk, uint64_t id) {
-      rdma::SendWqe x{};
-      x.opcode = static_cast<uint8_t>(op);
-      x.flags = rdma::wr_flag::SIGNALED;
-      x.wr_id = id;
-      x.laddr = l;
-      x.lkey = lk;
-      x.length = len;
-      x.raddr = r;
-      x.rkey = rk;
+      rdma::SendWqe x = rdma::make_wqe(op, l, lk, len, r, rk, id);
       x.swap_add = 2;
       return x;
     };

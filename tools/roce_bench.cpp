@@ -150,15 +150,7 @@ int main(int argc, char** argv) {
   check(qb->connect(pb), "connect");
 
   auto wqe = [&](rdma::WrOp op, uint32_t len, uint64_t off) {
-    rdma::SendWqe w{};
-    w.opcode = static_cast<uint8_t>(op);
-    w.flags = rdma::wr_flag::SIGNALED;
-    w.laddr = s[0].hbm.iova + off;
-    w.lkey = s[0].key;
-    w.length = len;
-    w.raddr = s[1].hbm.iova + off;
-    w.rkey = s[1].key;
-    return w;
+    return rdma::make_wqe(op, s[0].hbm.iova + off, s[0].key, len, s[1].hbm.iova + off, s[1].key, 0);
   };
   auto run = [&](const char* label) {
     std::printf("%s (window %d, path MTU 4096)\n", label, window);

@@ -106,6 +106,22 @@ static_assert(sizeof(SendWqe) == 64);
 static_assert(offsetof(SendWqe, wr_id) == 8 && offsetof(SendWqe, laddr) == 16 && offsetof(SendWqe, lkey) == 24 &&
               offsetof(SendWqe, raddr) == 32 && offsetof(SendWqe, rkey) == 40 && offsetof(SendWqe, compare) == 48);
 
+// A send work request with its usual fields; the rest (immediate, dtype,
+// compare, swap/add) the caller sets on the result.
+inline SendWqe make_wqe(WrOp op, uint64_t laddr, uint32_t lkey, uint32_t length, uint64_t raddr, uint32_t rkey,
+                        uint64_t wr_id, uint8_t flags = wr_flag::SIGNALED) {
+  SendWqe w{};
+  w.opcode = static_cast<uint8_t>(op);
+  w.flags = flags;
+  w.wr_id = wr_id;
+  w.laddr = laddr;
+  w.lkey = lkey;
+  w.length = length;
+  w.raddr = raddr;
+  w.rkey = rkey;
+  return w;
+}
+
 // ---- receive work requests (§15.4, 32 bytes) ---------------------------------------------
 struct RecvWqe {
   uint64_t wr_id;

@@ -769,6 +769,20 @@ void Engine::send_ack(Qp& q, uint8_t syndrome, uint32_t psn) {
   send_frame(a, nullptr);
 }
 
+// The next posted receive for the request at `psn`, or an RNR NAK carrying
+// this QP's RNR timer when none is posted (false: the request waits).
+bool Engine::take_receive(Qp& q, uint32_t psn) {
+  if (q.rq.empty()) {
+    ++_c.rnr_naks_sent;
+    send_ack(q, static_cast<uint8_t>(wire::aeth::RNR_NAK | (q.a.min_rnr_timer & 0x1f)), psn);
+    return false;
+  }
+  q.in_rwqe = q.rq.front();
+  q.rq.pop_front();
+  q.in_has_rwqe = true;
+  return true;
+}
+
 void Engine::read_responses(Qp& q, uint32_t psn, uint8_t* src, uint32_t len) {
   const uint32_t n = len == 0 ? 1 : (len + q.mtu - 1) / q.mtu;
   for (uint32_t i = 0; i < n; ++i) {
@@ -873,30 +887,12 @@ void Engine::responder_rx(Qp& q, const wire::Packet& p) {
         q.in_redop = p.redop;
       }
       // A receive is consumed by SEND and by WRITE with immediate.
-      const bool consumes = kind == Qp::In::send || op == Op::WRITE_ONLY_IMM;
-      if (consumes) {
-        if (q.rq.empty()) {
-          ++_c.rnr_naks_sent;
-          send_ack(q, static_cast<uint8_t>(wire::aeth::RNR_NAK | (q.a.min_rnr_timer & 0x1f)), p.psn);
-          return;
-        }
-        q.in_rwqe = q.rq.front();
-        q.rq.pop_front();
-        q.in_has_rwqe = true;
-      }
+      if ((kind == Qp::In::send || op == Op::WRITE_ONLY_IMM) && !take_receive(q, p.psn)) return;
       q.in = kind;
       q.in_off = 0;
     }
-    if (op == Op::WRITE_LAST_IMM) {  // a multi-packet WRITE with immediate takes its receive at the end
-      if (q.rq.empty()) {
-        ++_c.rnr_naks_sent;
-        send_ack(q, static_cast<uint8_t>(wire::aeth::RNR_NAK | (q.a.min_rnr_timer & 0x1f)), p.psn);
-        return;
-      }
-      q.in_rwqe = q.rq.front();
-      q.rq.pop_front();
-      q.in_has_rwqe = true;
-    }
+    // A multi-packet WRITE with immediate takes its receive at the end.
+    if (op == Op::WRITE_LAST_IMM && !take_receive(q, p.psn)) return;
     // Payload length rule: FIRST and MIDDLE carry exactly one MTU.
     if (!last && p.payload_len != q.mtu) {
       invalid_request();

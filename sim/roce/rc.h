@@ -145,6 +145,7 @@ class Engine {
   void responder_rx(Qp& q, const wire::Packet& p);
   void send_ack(Qp& q, uint8_t syndrome, uint32_t psn);
   void read_responses(Qp& q, uint32_t psn, uint8_t* src, uint32_t len);
+  bool take_receive(Qp& q, uint32_t psn);
   void recv_cqe(Qp& q, const rdma::RecvWqe& r, rdma::WcStatus st, rdma::WcOp op, uint32_t len, bool imm,
                 uint32_t immv);
 

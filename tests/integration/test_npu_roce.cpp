@@ -43,6 +43,23 @@ struct Node {
   uint8_t* hbm = nullptr;  // BAR2: the device memory, as the CPU sees it
 };
 
+// Device `sock` brought up; a previous test's client may still be leaving: retries briefly.
+std::unique_ptr<npu::Device> open_dev(const std::string& sock) {
+  Deadline dl = Deadline::after_ms(5000);
+  for (;;) {
+    std::unique_ptr<driver::Link> link;
+    std::unique_ptr<npu::Device> dev;
+    Status st = driver::open_vfio_user(sock, &link, 2000);
+    if (st) st = npu::Device::open(std::move(link), &dev);
+    if (st) return dev;
+    if (dl.expired()) {
+      ADD_FAILURE() << sock << ": " << st.to_string();
+      return nullptr;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
 class NpuRoce : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -65,15 +82,8 @@ class NpuRoce : public ::testing::Test {
     ASSERT_EQ(sim_->control("net clear"), "ok");
     for (unsigned i = 0; i < 2; ++i) {
       Node& n = node_[i];
-      Deadline dl = Deadline::after_ms(5000);
-      for (;;) {
-        std::unique_ptr<driver::Link> link;
-        Status st = driver::open_vfio_user(sim_->socket(i), &link, 2000);
-        if (st) st = npu::Device::open(std::move(link), &n.dev);
-        if (st) break;
-        ASSERT_FALSE(dl.expired()) << st.to_string();
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
+      n.dev = open_dev(sim_->socket(i));
+      ASSERT_NE(n.dev, nullptr);
       ASSERT_TRUE(n.dev->info().caps & abi::cap::ROCE);
       ASSERT_TRUE(n.dev->net_info(&n.net));
       ASSERT_TRUE(driver::DmaBuffer::allocate(kLen, -1, &n.host));
@@ -126,16 +136,7 @@ class NpuRoce : public ::testing::Test {
 
   static rdma::SendWqe wqe(rdma::WrOp op, uint64_t laddr, uint32_t lkey, uint32_t len, uint64_t raddr, uint32_t rkey,
                            uint64_t id) {
-    rdma::SendWqe w{};
-    w.opcode = static_cast<uint8_t>(op);
-    w.flags = rdma::wr_flag::SIGNALED;
-    w.wr_id = id;
-    w.laddr = laddr;
-    w.lkey = lkey;
-    w.length = len;
-    w.raddr = raddr;
-    w.rkey = rkey;
-    return w;
+    return rdma::make_wqe(op, laddr, lkey, len, raddr, rkey, id);
   }
 
   static std::vector<rdma::Cqe> wait(npu::RdmaQp* q, uint32_t n, int ms = 10000) {
@@ -489,21 +490,6 @@ uint16_t free_udp_port() {
   return p;
 }
 
-std::unique_ptr<npu::Device> open_dev(const std::string& sock) {
-  Deadline dl = Deadline::after_ms(5000);
-  for (;;) {
-    std::unique_ptr<driver::Link> link;
-    std::unique_ptr<npu::Device> dev;
-    Status st = driver::open_vfio_user(sock, &link, 2000);
-    if (st) st = npu::Device::open(std::move(link), &dev);
-    if (st) return dev;
-    if (dl.expired()) {
-      ADD_FAILURE() << sock << ": " << st.to_string();
-      return nullptr;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-}
 
 // Two hcomm-sim processes are two nodes (--node 0 / --node 1) whose
 // switches are joined by their uplinks: queue pairs between an NPU of each
@@ -554,15 +540,7 @@ TEST(NpuRoceNodes, TwoSimulatorsAreTwoNodes) {
   for (size_t i = 0; i < 200000; ++i) h0[i] = static_cast<uint8_t>(i * 5 + 1);
   for (size_t i = 0; i < 200000; ++i) h1[0x40000 + i] = static_cast<uint8_t>(i * 3 + 2);
   auto w = [](rdma::WrOp op, uint64_t l, uint32_t lk, uint32_t len, uint64_t r, uint32_t rk, uint64_t id) {
-    rdma::SendWqe x{};
-    x.opcode = static_cast<uint8_t>(op);
-    x.flags = rdma::wr_flag::SIGNALED;
-    x.wr_id = id;
-    x.laddr = l;
-    x.lkey = lk;
-    x.length = len;
-    x.raddr = r;
-    x.rkey = rk;
+    rdma::SendWqe x = rdma::make_wqe(op, l, lk, len, r, rk, id);
     x.swap_add = 1;
     return x;
   };

@@ -182,16 +182,7 @@ int main(int argc, char** argv) {
   };
 
   auto post = [&](rdma::WrOp op, uint64_t loff, uint32_t len, uint64_t raddr, uint64_t id) {
-    rdma::SendWqe w{};
-    w.opcode = static_cast<uint8_t>(op);
-    w.flags = rdma::wr_flag::SIGNALED;
-    w.wr_id = id;
-    w.laddr = kBase + loff;
-    w.lkey = kKey;
-    w.length = len;
-    w.raddr = raddr;
-    w.rkey = g_rkey;
-    return w;
+    return rdma::make_wqe(op, kBase + loff, kKey, len, raddr, g_rkey, id);
   };
 
   auto handle_side = [&](const uint8_t* f, size_t n) -> bool {

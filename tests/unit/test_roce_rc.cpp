@@ -174,16 +174,7 @@ class RoceRc : public ::testing::Test {
   }
 
   rdma::SendWqe wqe(rdma::WrOp op, uint64_t laddr, uint32_t len, uint64_t raddr, uint64_t id) {
-    rdma::SendWqe w{};
-    w.opcode = static_cast<uint8_t>(op);
-    w.flags = rdma::wr_flag::SIGNALED;
-    w.wr_id = id;
-    w.laddr = laddr;
-    w.lkey = kKey;
-    w.length = len;
-    w.raddr = raddr;
-    w.rkey = kKey;
-    return w;
+    return rdma::make_wqe(op, laddr, kKey, len, raddr, kKey, id);
   }
 
   void post(int node, const rdma::SendWqe& w) { ASSERT_TRUE(n[node].eng->post_send(n[node].qpn, w).is_ok()); }
