@@ -244,10 +244,13 @@ std::string run_round(const Args& a, int k, const Round& rd, const std::string& 
              (c == 12 && !victim_initialized && p.ended <= boot_bound);
       } else {
         // A survivor that gives up releases its memory on the way out, so its
-        // peers may meet the revoked key before they notice it gone.
+        // peers may meet the revoked key before they notice it gone: on an
+        // access ("the key was revoked") or when they import it ("is
+        // revoked or stale").
         ok = c == 0 || (c == 1 && (out.find("peer failure") != std::string::npos ||
                                    out.find("device error") != std::string::npos ||
                                    out.find("the key was revoked") != std::string::npos ||
+                                   out.find("is revoked or stale") != std::string::npos ||
                                    out.find(": init: timed out") != std::string::npos));
         ok = ok && (c == 0 || p.ended <= deadline);
       }
