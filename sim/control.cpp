@@ -19,7 +19,7 @@ namespace hcomm::sim {
 namespace {
 
 // net faults drop=P dup=P reorder=P corrupt=P [seed=S] | net drop-next N |
-// net corrupt-next N | net clear | net stats | net info DEV
+// net corrupt-next N | net clear | net stats | net info DEV (counters, bad_icrc_total)
 std::string net_command(Fabric& fabric, std::istringstream& in) {
   std::string sub;
   in >> sub;
@@ -81,7 +81,7 @@ std::string net_command(Fabric& fabric, std::istringstream& in) {
       if (ch == '\n') ch = ';';
     return "ok " + d + " counters tx=" + std::to_string(c.tx_frames) + " rx=" + std::to_string(c.rx_frames) +
            " bad_icrc=" + std::to_string(c.rx_bad_icrc) + " retransmits=" + std::to_string(c.retransmits) +
-           " timeouts=" + std::to_string(c.timeouts);
+           " timeouts=" + std::to_string(c.timeouts) + " bad_icrc_total=" + std::to_string(p->icrc_drops_total());
   }
   return "error: usage: net faults|drop-next|corrupt-next|clear|stats|info ...";
 }

@@ -1098,4 +1098,6 @@ void Fabric::network_loop() {
   }
 }
 
+std::mutex* Device::NetMemory::reduce_mutex() { return _d._fabric != nullptr ? &_d._fabric->reduce_mutex() : &_d._reduce_mu; }
+
 }  // namespace hcomm::sim

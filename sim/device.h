@@ -226,6 +226,7 @@ class Device {
     uint8_t* map(uint64_t iova, uint64_t len, bool write) override {
       return _d.translate(iova, len, write, !write).ptr;
     }
+    std::mutex* reduce_mutex() override;  // the REDUCE serialisation of the DMA engines
 
    private:
     Device& _d;

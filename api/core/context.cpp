@@ -17,6 +17,7 @@
 
 #include "api/transport/cma/cma.h"
 #include "api/transport/npu/npu.h"
+#include "api/transport/npu_roce/npu_roce.h"
 #include "api/transport/shm/shm.h"
 #if HCOMM_HAVE_IBVERBS
 #include "api/transport/verbs/verbs.h"
@@ -56,6 +57,7 @@ const char* transport_name(TransportId id) {
     case TransportId::cma: return "cma";
     case TransportId::npu: return "npu";
     case TransportId::verbs: return "verbs";
+    case TransportId::npu_roce: return "npu_roce";
   }
   return "?";
 }
@@ -212,7 +214,7 @@ Status Context::open_transports(const hcomm_config_t& cfg, const LaunchInfo& li,
       list_src = "HCOMM_TRANSPORTS";
     }
   }
-  bool allow[kTransportKinds] = {false, true, true, true, true};
+  bool allow[kTransportKinds] = {false, true, true, true, true, true};
   if (!list.empty()) {
     for (bool& a : allow) a = false;
     for (const std::string& n : split(list, ',')) {
@@ -224,7 +226,8 @@ Status Context::open_transports(const hcomm_config_t& cfg, const LaunchInfo& li,
         }
       }
       if (!known)
-        return Status::error(Code::invalid_argument, "%s='%s': unknown transport '%s' (use shm, cma, npu, verbs)",
+        return Status::error(Code::invalid_argument,
+                             "%s='%s': unknown transport '%s' (use shm, cma, npu, npu_roce, verbs)",
                              list_src, list.c_str(), n.c_str());
       forced.push_back(n);
     }
@@ -301,12 +304,43 @@ Status Context::open_transports(const hcomm_config_t& cfg, const LaunchInfo& li,
     }
     if (allowed(TransportId::cma)) _transports.push_back(std::make_unique<CmaTransport>(_rank, *_shm));
   }
-  // verbs: wanted when named, or when the job spans hosts (then every rank
-  // has a peer on another host, so every rank takes part in its wire-up).
-  const bool forced_verbs = !list.empty() && allowed(TransportId::verbs);
   for (const Peer& p : _peers) _cross_host |= !p.same_host;
-  std::string verbs_why;
-  if (allowed(TransportId::verbs) && (forced_verbs || _cross_host)) {
+  // npu_roce: the NPU's own RoCE engine to peers on other nodes; wanted when
+  // named, or when the job spans hosts (then every rank has a peer on
+  // another host, so every rank takes part in its wire-up, with or without
+  // an NPU).
+  const bool forced_roce = !list.empty() && allowed(TransportId::npu_roce);
+  std::string roce_why;
+  std::vector<bool> roce_have;
+  if (allowed(TransportId::npu_roce) && (forced_roce || _cross_host)) {
+    std::unique_ptr<NpuRoceTransport> t;
+    Status rs = _npu != nullptr ? Status::ok()
+                                : Status::error(Code::unsupported, "rank %d runs the host engine (no NPU)", _rank);
+    NpuRoceConfig rc;
+    if (rs) rs = NpuRoceConfig::from_env(&rc);
+    if (rs) {
+      std::vector<bool> same(static_cast<size_t>(_size));
+      for (const Peer& p : _peers) same[static_cast<size_t>(p.rank)] = p.same_host;
+      rs = NpuRoceTransport::open(*this, *this, _npu->device(), rc, same, &t);
+    }
+    HCOMM_TRY(NpuRoceTransport::connect(*_boot, rs ? t.get() : nullptr, rs.message(), dl, &roce_have));
+    if (!rs && forced_roce) return Status(rs.code(), std::string(list_src) + " names npu_roce: " + rs.message());
+    if (rs) _transports.push_back(std::move(t));
+    else roce_why = rs.message();
+  }
+  // verbs: wanted when named, or when the job spans hosts and npu_roce does
+  // not join every pair of ranks on different hosts (decided from what every
+  // rank contributed, so the same on every rank: its wire-up is collective).
+  const bool forced_verbs = !list.empty() && allowed(TransportId::verbs);
+  bool roce_covers = !roce_have.empty();
+  for (const Peer& a : _peers)
+    for (const Peer& b : _peers)
+      if (roce_covers && a.host != b.host && !(roce_have[static_cast<size_t>(a.rank)] && roce_have[static_cast<size_t>(b.rank)]))
+        roce_covers = false;
+  // Why no cross-host transport: each part names its transport.
+  std::string why_not = roce_why.empty() ? "" : "npu_roce: " + roce_why;
+  auto also = [&](const std::string& s) { why_not += (why_not.empty() ? "" : "; ") + s; };
+  if (allowed(TransportId::verbs) && (forced_verbs || (_cross_host && !roce_covers))) {
 #if HCOMM_HAVE_IBVERBS
     VerbsConfig vc;
     std::unique_ptr<VerbsTransport> v;
@@ -320,22 +354,23 @@ Status Context::open_transports(const hcomm_config_t& cfg, const LaunchInfo& li,
       _verbs = v.get();
       _transports.push_back(std::move(v));
     } else {
-      verbs_why = vs.message();
+      also("verbs: " + vs.message());
     }
     for (int r = 0; r < _size; ++r)
       if (!have[static_cast<size_t>(r)] && (forced_verbs || !_peers[static_cast<size_t>(r)].same_host))
-        verbs_why += (verbs_why.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + " has no RDMA device";
+        also("verbs: rank " + std::to_string(r) + " has no RDMA device");
 #else
-    verbs_why = "this build has no verbs transport (libibverbs-dev was missing at configure time)";
-    if (forced_verbs) return Status::error(Code::unsupported, "%s names verbs: %s", list_src, verbs_why.c_str());
+    const std::string no_verbs = "this build has no verbs transport (libibverbs-dev was missing at configure time)";
+    if (forced_verbs) return Status::error(Code::unsupported, "%s names verbs: %s", list_src, no_verbs.c_str());
+    also("verbs: " + no_verbs);
 #endif
   }
-  return choose_lanes(forced, verbs_why);
+  return choose_lanes(forced, why_not);
 }
 
 // Per peer: the first transport that carries messages and reaches it, and
 // every transport with RMA that reaches it, in order of preference.
-Status Context::choose_lanes(const std::vector<std::string>& forced, const std::string& verbs_why) {
+Status Context::choose_lanes(const std::vector<std::string>& forced, const std::string& why_not) {
   for (Peer& p : _peers) {
     p.am = nullptr;
     p.rma.clear();
@@ -350,8 +385,8 @@ Status Context::choose_lanes(const std::vector<std::string>& forced, const std::
       for (const std::string& n : forced) names += (names.empty() ? "" : ",") + n;
       return Status::error(Code::unsupported, "no transport%s%s carries messages to rank %d (%s host%s%s)%s%s",
                            names.empty() ? "" : " of ", names.c_str(), p.rank, p.same_host ? "same" : "another",
-                           p.host.empty() ? "" : " ", p.host.c_str(), verbs_why.empty() ? "" : ": verbs: ",
-                           verbs_why.c_str());
+                           p.host.empty() ? "" : " ", p.host.c_str(), why_not.empty() ? "" : ": ",
+                           why_not.c_str());
     }
     if (p.am != nullptr) p.lanes = p.am->name();
     // A lone rank's own memory: the lanes of its RMA.

@@ -76,6 +76,7 @@ struct Request {
   void* exposed = nullptr;
   Transport* exposed_by = nullptr;
   uint32_t exposed_rkey = 0;
+  uint64_t exposed_addr = 0;  // where the receiver reads (the lane may give another address than sbuf)
   uint32_t claim = UINT32_MAX;  // rendezvous send: index of its claim word (api/proto/tag.cpp)
   // receive: matched a rendezvous and waiting for the claim on the sender's
   // word to resolve; it keeps its place among the posted receives meanwhile
@@ -272,7 +273,7 @@ class Context final : public AmSink {
   void reserve_blocks();
   Status add_mem(std::unique_ptr<hcomm_mem> m, hcomm_mem** out);
   Status open_transports(const hcomm_config_t& cfg, const LaunchInfo& li, const Deadline& dl);
-  Status choose_lanes(const std::vector<std::string>& forced, const std::string& verbs_why);
+  Status choose_lanes(const std::vector<std::string>& forced, const std::string& why_not);
   Status open_claims(const Deadline& dl);
   void drain_socket(Peer& p);
   void check_peers(bool force);

@@ -62,6 +62,7 @@ struct hcomm_mem {
   uint64_t hbm_offset = 0;        // device
   hcomm::hal::npu::Mapping npu;   // npu transport: our device's mapping of this memory
   void* verbs_mr = nullptr;       // verbs transport: its ibv_mr
+  uint32_t roce_key = 0;          // npu_roce transport: the engine's memory key over `npu` (0: none)
 };
 
 // An imported remote key: the peer's memory as reached through one lane.
@@ -74,6 +75,8 @@ struct hcomm_rkey {
   size_t mapped_len = 0;      // bytes to munmap (0: borrowed)
   hcomm::hal::npu::Mapping npu;  // npu: our device's mapping of the peer's memory
   uint32_t vrkey = 0;            // verbs: the NIC's remote key of the peer's registration
+  uint32_t roce_key = 0;         // npu_roce: the peer engine's memory key and the memory's IOVA there
+  uint64_t roce_iova = 0;
   // Accumulate and fetch atomics: one atomicity agent per memory. When peers
   // on other hosts reach this memory through the NIC, every rank's atomics
   // on it go through the NIC too (verbs), whatever lane moves its puts.

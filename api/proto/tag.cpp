@@ -63,8 +63,10 @@ bool Context::try_send(Peer& p, const std::shared_ptr<Request>& rp) {
     }
     r.exposed_by = p.am;
     r.exposed_rkey = h.rkey;
+    r.exposed_addr = h.addr;
   }
   h.rkey = r.exposed_rkey;  // a retry (no room the first time) carries the same exposure
+  h.addr = r.exposed_addr;
   if (!p.am->am_send(p.rank, h, nullptr, 0)) return false;
   _pending_sends[r.id] = rp;  // completes when the receiver's FIN arrives
   return true;

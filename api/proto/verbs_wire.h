@@ -1,4 +1,5 @@
-// The verbs transport's wire-up message (api/transport/verbs): what each rank
+// The verbs and npu_roce transports' wire-up messages (api/transport/verbs,
+// api/transport/npu_roce): what each rank
 // contributes to the bootstrap allgather, and the parser that checks what the
 // others contributed before any of it reaches a queue pair. Kept apart from
 // verbs.cpp so that it builds without rdma-core (the fuzz target
@@ -60,5 +61,39 @@ std::string verbs_wire_absent(const std::string& why);
 // not nranks, an MTU outside 256..4096.
 Status parse_verbs_wire(const std::vector<std::string>& blobs, int nranks, int my_rank,
                         std::vector<VerbsPeerWire>* out);
+
+// ---- the npu_roce transport's wire-up message (api/transport/npu_roce) ----
+// Same layout rule: NpuRoceWireHdr (present = 1), then nqp x u32 QPNs (0 for
+// a rank it has no queue pair to: same node); absent: the header and a reason.
+inline constexpr uint32_t kNpuRoceWireMagic = 0x48434952u;  // "HCIR"
+inline constexpr uint16_t kNpuRoceWireVersion = 1;
+
+struct NpuRoceWireHdr {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t present;  // 0: this rank has no NPU network engine; the rest is its reason
+  uint32_t ip;       // the port's IPv4 address (its GID), host order
+  uint8_t mac[6];
+  uint8_t mtu;  // path MTU code, 1 = 256 .. 5 = 4096
+  uint8_t pad0;
+  uint32_t psn;  // the first PSN its queue pairs send
+  uint32_t table_key, mailbox_key;
+  uint32_t nqp;  // then nqp x u32
+  uint32_t pad1;
+  uint64_t table_iova, mailbox_iova;
+};
+static_assert(sizeof(NpuRoceWireHdr) == 56, "the wire-up header is a wire format");
+
+struct NpuRoceWire {
+  bool present = false;
+  NpuRoceWireHdr h{};
+  uint32_t qpn = 0;  // the QPN that rank created for this rank (0: none)
+};
+
+std::string npu_roce_wire_blob(NpuRoceWireHdr h, const std::vector<uint32_t>& qpns);
+std::string npu_roce_wire_absent(const std::string& why);
+// As parse_verbs_wire: protocol_error names the first malformed blob.
+Status parse_npu_roce_wire(const std::vector<std::string>& blobs, int nranks, int my_rank,
+                           std::vector<NpuRoceWire>* out);
 
 }  // namespace hcomm::api

@@ -4,7 +4,8 @@
 // A Transport is one way of moving bytes, opened once per context: shm (the
 // pair's shared-memory channels and memfd-mapped memory), cma (process_vm_*
 // into memory a peer merely registered), npu (this rank's NPU DMA queue and
-// the node's fabric), verbs (RC queue pairs through rdma-core). It says what
+// the node's fabric), verbs (RC queue pairs through rdma-core), npu_roce (RC
+// queue pairs of this rank's NPU's own RoCEv2 engine, to other nodes). It says what
 // it can do (Caps) and which peers it reaches; the context picks, per peer,
 // one messaging lane (the transport that carries the protocol's active
 // messages: eager payloads, rendezvous headers, FINs) and an ordered list of
@@ -37,8 +38,8 @@ namespace hcomm::api {
 struct Request;
 
 // Wire ids: they appear in packed keys (api/mem/memory.h), never renumber.
-enum class TransportId : uint8_t { shm = 1, cma = 2, npu = 3, verbs = 4 };
-inline constexpr int kTransportKinds = 5;
+enum class TransportId : uint8_t { shm = 1, cma = 2, npu = 3, verbs = 4, npu_roce = 5 };
+inline constexpr int kTransportKinds = 6;
 const char* transport_name(TransportId id);
 
 struct Caps {

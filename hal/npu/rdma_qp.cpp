@@ -1,5 +1,6 @@
 #include "hal/npu/rdma_qp.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <thread>
@@ -181,7 +182,7 @@ Status RdmaQp::connect(const QpPeer& peer) {
   a.state = static_cast<uint8_t>(rdma::QpState::INIT);
   HCOMM_TRY(modify(a));
   a.state = static_cast<uint8_t>(rdma::QpState::RTR);
-  a.path_mtu = _opt.path_mtu;
+  a.path_mtu = peer.path_mtu != 0 ? std::min(peer.path_mtu, _opt.path_mtu) : _opt.path_mtu;
   a.dest_qpn = peer.qpn;
   a.rq_psn = peer.psn;
   a.remote_ip = peer.ip;

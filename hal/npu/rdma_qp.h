@@ -41,6 +41,7 @@ struct QpPeer {
   uint32_t ip = 0;
   uint8_t mac[6] = {};
   uint32_t psn = 0;  // the first PSN the peer sends (our rq_psn)
+  uint8_t path_mtu = 0;  // the peer port's MTU code: the QP uses the smaller (0: options().path_mtu)
 };
 
 struct QpOptions {

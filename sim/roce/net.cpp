@@ -73,6 +73,7 @@ void NetSwitch::ingress(uint32_t port, const uint8_t* frame, size_t len, uint64_
       ++_fc.dropped;
       return;
     }
+    bool bad = false;
     // Corruption goes where only the ICRC can see it: the transport headers
     // and payload of a RoCE frame, never the BTH byte the ICRC masks.
     if (is_roce(f.data(), f.size()) && (_f.corrupt_next > 0 || pct(_f.corrupt_pct))) {
@@ -83,6 +84,7 @@ void NetSwitch::ingress(uint32_t port, const uint8_t* frame, size_t len, uint64_
       } while (i == wire::kL2L4Len + wire::bth::kMaskedByte);
       f[i] ^= static_cast<uint8_t>(1u << (_rng() % 8));
       ++_fc.corrupted;
+      bad = true;
     }
     const bool twice = pct(_f.dup_pct);
     if (pct(_f.reorder_pct) && _held.empty()) {
@@ -95,6 +97,7 @@ void NetSwitch::ingress(uint32_t port, const uint8_t* frame, size_t len, uint64_
     forward(port, f, now);
     if (twice) {
       ++_fc.duplicated;
+      if (bad) ++_fc.corrupted;  // counted per corrupted frame on the wire
       forward(port, f, now);
     }
   } else {
@@ -166,6 +169,7 @@ void NetPort::make_engine() {
 void NetPort::reset() {
   std::lock_guard lk(_mu);
   for (auto& s : _slots) s.reset();
+  _icrc_before += _eng->counters().rx_bad_icrc;
   _addr.ip = _default_ip;
   make_engine();
   std::memset(_arg, 0, sizeof _arg);
@@ -189,6 +193,11 @@ void NetPort::forget(const uint8_t* p, size_t len) {
 Counters NetPort::counters() const {
   std::lock_guard lk(_mu);
   return _eng->counters();
+}
+
+uint64_t NetPort::icrc_drops_total() const {
+  std::lock_guard lk(_mu);
+  return _icrc_before + _eng->counters().rx_bad_icrc;
 }
 
 std::string NetPort::describe() const {

@@ -22,6 +22,13 @@ Status DgramPort::open(uint16_t local_port, uint16_t remote_port) {
   a.sin_port = htons(local_port);
   if (::bind(_fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0)
     return Status::from_errno(errno, "bind 127.0.0.1:" + std::to_string(local_port));
+  // Room for a window of full frames (the engine keeps at most kWindow
+  // packets of one QP unacknowledged) and then some: a link's buffer, so
+  // that only injected faults and real overload drop frames. Root may go
+  // past net.core.rmem_max (FORCE); otherwise the kernel caps it there.
+  const int want = 4 << 20;
+  if (::setsockopt(_fd, SOL_SOCKET, SO_RCVBUFFORCE, &want, sizeof want) != 0)
+    (void)::setsockopt(_fd, SOL_SOCKET, SO_RCVBUF, &want, sizeof want);
   _remote = remote_port;
   return Status::ok();
 }

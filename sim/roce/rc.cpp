@@ -109,6 +109,7 @@ struct Engine::Qp {
     rdma::SendWqe w{};
     uint32_t first_psn = 0, npsn = 1, npkt = 1;
     uint32_t read_got = 0;  // READ: bytes arrived in order
+    bool read_more = false; // READ: a piece's responses are in, the next piece's request is due
     bool done = false;      // acknowledged / result in
     WcStatus bad = WcStatus::SUCCESS;  // found malformed at post: fails when it reaches the front
   };
@@ -368,9 +369,38 @@ bool Engine::poll(uint64_t now) {
   return sent;
 }
 
+// A READ asks for at most kWindow response packets at a time: the
+// responder sends a request's responses in one burst, and a link without
+// flow control (a UDP uplink, a TAP) drops what a longer burst overruns.
+// The pieces take the PSNs the whole READ was given, so the wire sees
+// ordinary READ requests, each a run of that PSN range.
+void Engine::read_request(Qp& q, size_t slot) {
+  const Qp::Slot& s = q.sq[slot];
+  wire::Packet p = to_peer(q.a, q.a.dest_qpn);
+  p.psn = wire::psn_add(s.first_psn, s.read_got / q.mtu);
+  p.opcode = static_cast<uint8_t>(Op::READ_REQUEST);
+  p.va = s.w.raddr + s.read_got;
+  p.rkey = s.w.rkey;
+  // Pieces have fixed bounds (every kWindow packets from the start): a piece
+  // asked again after a loss never reaches into the next piece's PSNs, which
+  // the responder has not seen yet.
+  const uint32_t piece = kWindow * q.mtu;
+  const uint64_t end = std::min<uint64_t>(s.w.length, (uint64_t{s.read_got} / piece + 1) * piece);
+  p.dma_len = static_cast<uint32_t>(end - s.read_got);
+  p.ack_req = true;
+  send_frame(p, nullptr);
+}
+
 bool Engine::tx_qp(Qp& q, uint64_t now) {
   if (now < q.rnr_until) return false;
   bool sent = false;
+  for (size_t i = 0; i < q.tx_idx && i < q.sq.size(); ++i) {
+    Qp::Slot& s = q.sq[i];
+    if (!s.read_more) continue;
+    s.read_more = false;
+    read_request(q, i);
+    sent = true;
+  }
   while (q.tx_idx < q.sq.size()) {
     Qp::Slot& s = q.sq[q.tx_idx];
     if (s.bad != WcStatus::SUCCESS) {
@@ -454,12 +484,12 @@ bool Engine::tx_qp(Qp& q, uint64_t now) {
         p.redop = w.redop;
         break;
       case rdma::WrOp::READ:
-        p.opcode = static_cast<uint8_t>(Op::READ_REQUEST);
-        p.va = w.raddr + off;
-        p.rkey = w.rkey;
-        p.dma_len = w.length - off;
-        p.ack_req = true;
-        break;
+        s.read_more = false;
+        read_request(q, q.tx_idx);
+        ++q.tx_idx;
+        q.tx_pkt = 0;
+        sent = true;
+        continue;
       case rdma::WrOp::CMP_SWAP:
       case rdma::WrOp::FETCH_ADD:
         p.opcode = static_cast<uint8_t>(op == rdma::WrOp::CMP_SWAP ? Op::COMPARE_SWAP : Op::FETCH_ADD);
@@ -601,6 +631,10 @@ void Engine::recv_cqe(Qp& q, const rdma::RecvWqe& r, WcStatus st, rdma::WcOp op,
 // ---- reception ----------------------------------------------------------------------
 
 void Engine::rx(const uint8_t* f, size_t len, uint64_t now) {
+  // The MAC filter, as on any NIC: a unicast frame for another station (a
+  // switch floods those while it has not learnt where they go) never
+  // reaches the RoCE checks or the counters.
+  if (len >= 6 && (f[0] & 1) == 0 && std::memcmp(f, _addr.mac, 6) != 0) return;
   ++_c.rx_frames;
   if (len >= wire::kEthLen && wire::get16(f + 12) == wire::kEtherArp) {
     answer_arp(f, len);
@@ -737,7 +771,9 @@ void Engine::requester_rx(Qp& q, const wire::Packet& p, uint64_t now) {
   }
   const bool last = op == Op::READ_RESPONSE_LAST || op == Op::READ_RESPONSE_ONLY;
   const uint32_t remaining = s.w.length - s.read_got;
-  if (p.payload_len > remaining || (!last && p.payload_len != q.mtu) || (last && p.payload_len != remaining)) {
+  // Full packets, but for the READ's very last one (a piece's last packet
+  // is full: pieces are whole packets).
+  if (p.payload_len > remaining || ((!last || p.payload_len < remaining) && p.payload_len != q.mtu)) {
     fail_qp(q, WcStatus::REM_INV_REQ_ERR, 0);  // a responder that does not follow the MTU rule
     return;
   }
@@ -753,7 +789,9 @@ void Engine::requester_rx(Qp& q, const wire::Packet& p, uint64_t now) {
   q.una = wire::psn_add(p.psn, 1);
   q.last_progress = now;
   q.retries_left = q.a.retry_cnt;
-  if (last) {
+  if (last && s.read_got < s.w.length) {
+    s.read_more = true;  // tx_qp asks for the next piece
+  } else if (last) {
     s.done = true;
     q.una = wire::psn_add(s.first_psn, s.npsn);
     complete_front(q);
@@ -933,6 +971,8 @@ void Engine::responder_rx(Qp& q, const wire::Packet& p) {
             invalid_request();
             return;
           }
+          std::unique_lock<std::mutex> lk;
+          if (std::mutex* mu = _mem.reduce_mutex(); mu != nullptr) lk = std::unique_lock(*mu);
           hal::abi::reduce(dt, static_cast<hal::abi::RedOp>(q.in_redop), dst, p.payload,
                            p.payload_len / hal::abi::dtype_size(dt));
         }

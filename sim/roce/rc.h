@@ -46,6 +46,10 @@ class MemoryAccess {
  public:
   virtual ~MemoryAccess() = default;
   virtual uint8_t* map(uint64_t iova, uint64_t len, bool write) = 0;
+  // WRITE_REDUCE holds it while it reduces a packet's payload into memory,
+  // so that it is element-wise atomic against the device's DMA REDUCEs
+  // (null: nothing else reduces into this memory).
+  virtual std::mutex* reduce_mutex() { return nullptr; }
 };
 
 // The memory-key table (§15.1). Written by the driver's commands, read by
@@ -136,6 +140,7 @@ class Engine {
   void answer_arp(const uint8_t* f, size_t len);
   // requester
   bool tx_qp(Qp& q, uint64_t now);
+  void read_request(Qp& q, size_t slot);  // the next piece of the READ in q.sq[slot]
   void requester_rx(Qp& q, const wire::Packet& p, uint64_t now);
   void ack_through(Qp& q, uint32_t psn, uint64_t now);
   void go_back(Qp& q, uint32_t psn);

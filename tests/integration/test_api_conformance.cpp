@@ -1,6 +1,11 @@
 // The conformance suite of the primitives: every test runs on every engine
 // present (host; the simulated NPU through hcomm-sim) across 2 and 4
-// processes, and checks results element by element.
+// processes, and checks results element by element. The npu_roce cases run
+// the NPU engine on two nodes: two hcomm-sim processes (--node 0 / 1, their
+// uplinks joined), rank r on node r % 2 (HCOMM_HOST_ID), so every peer on
+// the other node is served by the NPU's RoCE engine (npu_roce, asserted),
+// with faults injected on both nodes' wires (HCOMM_TEST_ROCE_FAULTS, default
+// 10% drop, 5% duplication, 10% reordering, 1% corruption).
 //
 // HCOMM_TEST_DEVICES="A,B[,...]" runs the NPU cases on existing devices
 // (rank r on the r-th; the qemu suite's guest passes its vfio-pci functions)
@@ -28,12 +33,15 @@ using test::run_ranks;
 struct Param {
   const char* engine;
   int ranks;
+  bool nodes = false;  // two simulators as two nodes (npu_roce between them)
 };
 std::string param_name(const ::testing::TestParamInfo<Param>& i) {
-  return std::string(i.param.engine) + "_" + std::to_string(i.param.ranks) + "ranks";
+  return std::string(i.param.engine) + (i.param.nodes ? "_roce" : "") + "_" + std::to_string(i.param.ranks) + "ranks";
 }
 
 test::SimProcess* g_sim = nullptr;
+test::SimProcess* g_node[2] = {nullptr, nullptr};  // the two-node cases' simulators, started on first use
+unsigned long long g_icrc_base = 0;                 // their ports' ICRC drops when the current case started
 std::string g_devices;  // HCOMM_TEST_DEVICES
 
 int device_count(const std::string& list) {
@@ -58,9 +66,35 @@ class Api : public ::testing::TestWithParam<Param> {
   static void TearDownTestSuite() {
     delete g_sim;
     g_sim = nullptr;
+    for (auto*& s : g_node) {
+      delete s;
+      s = nullptr;
+    }
   }
   bool npu() const { return std::string(GetParam().engine) == "npu"; }
+  bool nodes() const { return GetParam().nodes; }
   void SetUp() override {
+    if (nodes()) {
+      if (!g_devices.empty()) GTEST_SKIP() << "two simulated nodes; HCOMM_TEST_DEVICES names real devices";
+      if (g_node[0] == nullptr) {
+        g_node[0] = new test::SimProcess();
+        g_node[1] = new test::SimProcess();
+        ASSERT_EQ(test::start_two_nodes(*g_node[0], *g_node[1], {"--devices", "2", "--hbm", "128M"}), "");
+      }
+      const char* f = std::getenv("HCOMM_TEST_ROCE_FAULTS");
+      const std::string faults = f != nullptr ? f : "drop=10 dup=5 reorder=10 corrupt=1";
+      for (int i = 0; i < 2; ++i) {
+        ASSERT_TRUE(g_node[i]->alive());
+        for (int d = 0; d < 2; ++d) ASSERT_EQ(g_node[i]->control("clear " + std::to_string(d)), "ok");
+        ASSERT_EQ(g_node[i]->control("net clear"), "ok");
+        if (!faults.empty()) {
+          ASSERT_EQ(g_node[i]->control("net faults " + faults + " seed=" + std::to_string(7 + i)), "ok");
+        }
+      }
+      g_icrc_base = icrc_drops();
+      ASSERT_NE(g_icrc_base, ~0ull) << "net info has no bad_icrc_total";
+      return;
+    }
     if (npu() && !g_devices.empty()) {
       if (device_count(g_devices) < GetParam().ranks)
         GTEST_SKIP() << GetParam().ranks << " ranks need as many devices; HCOMM_TEST_DEVICES=" << g_devices;
@@ -72,14 +106,68 @@ class Api : public ::testing::TestWithParam<Param> {
       for (int d = 0; d < 4; ++d) ASSERT_EQ(g_sim->control("clear " + std::to_string(d)), "ok");
     }
   }
+  // Two nodes: every frame the switches corrupted died at a port's ICRC
+  // check (some may still be on their way when the ranks are done: waited
+  // for, bounded), and the faults were really there.
+  static unsigned long long icrc_drops() {
+    unsigned long long n = 0;
+    for (auto* s : g_node)
+      for (int dev = 0; dev < 2; ++dev) {
+        const std::string info = s->control("net info " + std::to_string(dev));
+        const size_t at = info.find(" bad_icrc_total=");
+        if (at == std::string::npos) return ~0ull;
+        n += std::strtoull(info.c_str() + at + 16, nullptr, 10);
+      }
+    return n;
+  }
+  void TearDown() override {
+    if (!nodes() || g_node[0] == nullptr || IsSkipped()) return;
+    unsigned long long corrupted = 0, dropped = 0, bad_icrc = 0;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    do {
+      corrupted = dropped = 0;
+      for (auto* s : g_node) {
+        unsigned long long d = 0, u = 0, r = 0, c = 0;
+        const std::string st = s->control("net stats");
+        ASSERT_EQ(std::sscanf(st.c_str(), "ok dropped=%llu duplicated=%llu reordered=%llu corrupted=%llu", &d, &u, &r,
+                              &c),
+                  4)
+            << st;
+        dropped += d;
+        corrupted += c;
+      }
+      bad_icrc = icrc_drops() - g_icrc_base;
+      if (bad_icrc == corrupted) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    } while (std::chrono::steady_clock::now() < until);
+    EXPECT_EQ(bad_icrc, corrupted) << "frames corrupted on the wire and dropped by an ICRC check";
+    if (std::getenv("HCOMM_TEST_ROCE_FAULTS") == nullptr) {
+      EXPECT_GT(dropped, 0u) << "the default faults dropped nothing";
+    }
+    std::fprintf(stderr, "wire: %llu dropped, %llu corrupted (%llu ICRC drops)\n", dropped, corrupted, bad_icrc);
+  }
   void run(const std::function<void(hcomm_context_t*, int, int)>& body, int timeout_s = 120,
            std::vector<int> killed_ok = {}) {
     std::vector<std::pair<std::string, std::string>> env = {{"HCOMM_ENGINE", GetParam().engine}};
-    if (g_sim != nullptr) env.emplace_back("HCOMM_SIM_DIR", g_sim->dir());
+    if (g_sim != nullptr && !nodes()) env.emplace_back("HCOMM_SIM_DIR", g_sim->dir());
     if (npu() && !g_devices.empty()) env.emplace_back("HCOMM_DEVICE", g_devices);
+    if (nodes()) {
+      env.emplace_back("HCOMM_SOCKET_ADDR", "127.0.0.1");  // the TCP mesh between the "hosts"
+      // Go-back-N on a wire that drops one packet in ten moves a few MB/s:
+      // transfers up to 1 MiB there (the loss-free rate: docs/performance.md).
+      const char* f = std::getenv("HCOMM_TEST_ROCE_FAULTS");
+      if ((f == nullptr || *f != '\0') && std::getenv("HCOMM_TEST_MAX_BYTES") == nullptr)
+        env.emplace_back("HCOMM_TEST_MAX_BYTES", "1048576");
+    }
+    const bool two = nodes();
     std::string err = run_ranks(
         GetParam().ranks, env,
         [&](int rank) {
+          if (two) {  // node rank % 2, its (rank / 2)-th device there
+            ::setenv("HCOMM_HOST_ID", rank % 2 == 0 ? "node0" : "node1", 1);
+            ::setenv("HCOMM_SIM_DIR", g_node[rank % 2]->dir().c_str(), 1);
+            ::setenv("LOCAL_RANK", std::to_string(rank / 2).c_str(), 1);
+          }
           hcomm_context_t* ctx = nullptr;
           RCHECK_OK(hcomm_init(nullptr, &ctx));
           RCHECK(std::string(hcomm_engine_name(ctx)) == GetParam().engine) << hcomm_engine_name(ctx);
@@ -92,6 +180,12 @@ class Api : public ::testing::TestWithParam<Param> {
               if (sp.hosts > 1 && r % sp.hosts == rank % sp.hosts) continue;
               const char* t = hcomm_peer_transport(ctx, r);
               RCHECK(t != nullptr && std::string(t) == want) << "rank " << r << " served by " << (t ? t : "null");
+            }
+          }
+          if (two) {
+            for (int r = rank % 2 == 0 ? 1 : 0; r < hcomm_size(ctx); r += 2) {
+              const char* t = hcomm_peer_transport(ctx, r);
+              RCHECK(t != nullptr && std::string(t) == "npu_roce") << "rank " << r << " served by " << (t ? t : "null");
             }
           }
           body(ctx, rank, hcomm_size(ctx));
@@ -392,6 +486,10 @@ TEST_P(Api, TimedOutBlockingCallsHaveWithdrawnTheirOperation) {
                                       nullptr, 100),
                        HCOMM_ERR_TIMEOUT);
       std::fill(in.begin(), in.end(), kCanary);
+      // Messages to a peer arrive in order: this one comes after the
+      // withdrawn send's RTS and its retraction, however slow the wire.
+      uint64_t after = 1;
+      RCHECK_OK(hcomm_send(ctx, 1, &after, 8, 302, T));
       RCHECK_OK(hcomm_barrier(ctx, T));
       progress_for(ctx, 50);
       RCHECK(all_canary(in)) << "a timed-out sendrecv's receive buffer was written";
@@ -400,6 +498,8 @@ TEST_P(Api, TimedOutBlockingCallsHaveWithdrawnTheirOperation) {
       RCHECK_OK(hcomm_barrier(ctx, T));
       uint8_t v[64] = {9};
       RCHECK_OK(hcomm_send(ctx, 0, v, sizeof v, 301, T));  // arrives after the receive was withdrawn
+      uint64_t after = 0;
+      RCHECK_OK(hcomm_recv(ctx, 0, &after, 8, 302, HCOMM_TAG_MASK_ALL, nullptr, T));
       progress_for(ctx, 20);
       int found = 1;
       RCHECK_OK(hcomm_probe(ctx, 0, 300, HCOMM_TAG_MASK_ALL, &found, nullptr));
@@ -527,6 +627,7 @@ TEST_P(Api, CancelIsCancelledOrCompletedNeverHalf) {
 // must hold the bytes of before.
 TEST_P(Api, TimedOutPutWaitsForItsDmaBeforeReturning) {
   if (!npu()) GTEST_SKIP() << "stalling the DMA engine is a simulator feature";
+  if (nodes()) GTEST_SKIP() << "the ring's puts cross nodes (RoCE, not the DMA queue); the wire's faults are on";
   if (g_sim == nullptr) GTEST_SKIP() << "needs hcomm-sim's control socket (not reachable with HCOMM_TEST_DEVICES)";
   test::SimProcess* sim = g_sim;
   run([sim](hcomm_context_t* ctx, int me, int n) {
@@ -1084,6 +1185,7 @@ TEST_P(Api, SilentPeerIsPeerFailureWithinTheBound) {
 // The simulator's fault injection reaches the API as clear statuses (NPU only).
 TEST_P(Api, InjectedDeviceFaultsSurfaceAndCorruptionIsCaught) {
   if (!npu()) GTEST_SKIP() << "fault injection is a simulator feature";
+  if (nodes()) GTEST_SKIP() << "DMA-queue faults; the two-node cases inject the network's on every test";
   if (g_sim == nullptr) GTEST_SKIP() << "needs hcomm-sim's control socket (not reachable with HCOMM_TEST_DEVICES)";
   test::SimProcess* sim = g_sim;
   run([sim](hcomm_context_t* ctx, int me, int n) {
@@ -1143,7 +1245,8 @@ TEST_P(Api, InjectedDeviceFaultsSurfaceAndCorruptionIsCaught) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, Api,
-                         ::testing::Values(Param{"host", 2}, Param{"host", 4}, Param{"npu", 2}, Param{"npu", 4}),
+                         ::testing::Values(Param{"host", 2}, Param{"host", 4}, Param{"npu", 2}, Param{"npu", 4},
+                                           Param{"npu", 2, true}, Param{"npu", 4, true}),
                          param_name);
 
 }  // namespace

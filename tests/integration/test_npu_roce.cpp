@@ -475,39 +475,14 @@ TEST_F(NpuRoce, ASilentLinkEndsInRetryExceededWithinTheBound) {
 namespace hcomm {
 namespace {
 
-// A UDP port on 127.0.0.1 nobody holds right now.
-uint16_t free_udp_port() {
-  int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t l = sizeof a;
-  uint16_t p = 0;
-  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &l) == 0)
-    p = ntohs(a.sin_port);
-  if (fd >= 0) ::close(fd);
-  return p;
-}
-
-
 // Two hcomm-sim processes are two nodes (--node 0 / --node 1) whose
 // switches are joined by their uplinks: queue pairs between an NPU of each
 // move data both ways, with faults injected on both sides; then one
 // simulator is killed and the other's requests end in RETRY_EXC_ERR within
 // the QP's bound.
 TEST(NpuRoceNodes, TwoSimulatorsAreTwoNodes) {
-  const uint16_t p0 = free_udp_port(), p1 = free_udp_port();
-  ASSERT_NE(p0, 0);
-  ASSERT_NE(p1, 0);
-  ASSERT_NE(p0, p1);
   test::SimProcess s0, s1;
-  ASSERT_EQ(s0.start({"--devices", "1", "--hbm", "16M", "--node", "0", "--uplink",
-                      std::to_string(p0) + ":" + std::to_string(p1)}),
-            "");
-  ASSERT_EQ(s1.start({"--devices", "1", "--hbm", "16M", "--node", "1", "--uplink",
-                      std::to_string(p1) + ":" + std::to_string(p0)}),
-            "");
+  ASSERT_EQ(test::start_two_nodes(s0, s1, {"--devices", "1", "--hbm", "16M"}), "");
   std::unique_ptr<npu::Device> d0 = open_dev(s0.socket(0)), d1 = open_dev(s1.socket(0));
   ASSERT_TRUE(d0 && d1);
   npu::NetInfo n0, n1;

@@ -2,6 +2,8 @@
 // for one test (suite), and stops it. Every wait is bounded.
 #pragma once
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/socket.h>
@@ -118,5 +120,37 @@ class SimProcess {
   pid_t _pid = -1;
   std::string _dir;
 };
+
+// A UDP port on 127.0.0.1 nobody holds right now.
+inline uint16_t free_udp_port() {
+  int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t l = sizeof a;
+  uint16_t p = 0;
+  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &l) == 0)
+    p = ntohs(a.sin_port);
+  if (fd >= 0) ::close(fd);
+  return p;
+}
+
+// Two simulators as two nodes (--node 0 / 1) whose switches' uplinks are
+// joined over UDP on 127.0.0.1; extra arguments go to both. "" or why not.
+inline std::string start_two_nodes(SimProcess& n0, SimProcess& n1, const std::vector<std::string>& extra) {
+  const uint16_t p0 = free_udp_port(), p1 = free_udp_port();
+  if (p0 == 0 || p1 == 0 || p0 == p1) return "no free UDP ports for the uplinks";
+  auto args = [&](int node, uint16_t l, uint16_t r) {
+    std::vector<std::string> a = extra;
+    for (const std::string& s : {std::string("--node"), std::to_string(node), std::string("--uplink"),
+                                 std::to_string(l) + ":" + std::to_string(r)})
+      a.push_back(s);
+    return a;
+  };
+  if (std::string e = n0.start(args(0, p0, p1)); !e.empty()) return "node 0: " + e;
+  if (std::string e = n1.start(args(1, p1, p0)); !e.empty()) return "node 1: " + e;
+  return "";
+}
 
 }  // namespace hcomm::test

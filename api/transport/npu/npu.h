@@ -47,6 +47,8 @@ class NpuTransport final : public Transport {
   }
 
   uint32_t fabric_index() const { return _dev->info().fabric_index; }
+  // The device, for the npu_roce transport (its network engine).
+  hal::npu::Device& device() { return *_dev; }
   // Device memory (HCOMM_MEM_DEVICE): a first-fit HBM range, zeroed.
   Status alloc_hbm(hcomm_mem& m);
 
