@@ -945,6 +945,10 @@ void Device::engine_loop(Queue& q) {
       std::shared_lock al(_att_mu);
       abi::QueueShadow* sh = q.shadow;
       uint32_t tail = sh->sq_tail.value.load(std::memory_order_acquire);
+      // A stall that began after the check at the top (this thread was
+      // preempted in between) still holds what was posted after it: seen
+      // here, after the tail that may carry such a descriptor.
+      if (int64_t st = _faults.stall_until_ns.load(std::memory_order_acquire); st != 0 && st - now_ns() > 0) continue;
       uint32_t cq_head0 = sh->cq_head.value.load(std::memory_order_acquire);
       const bool bad_tail = !q.sq.valid_producer(tail, q.sq_head);
       if (bad_tail || q.cq.used(q.cq_tail, cq_head0) > q.cq.size()) {
