@@ -67,7 +67,8 @@ std::string net_command(Fabric& fabric, std::istringstream& in) {
   if (sub == "stats") {
     const roce::NetFaultCounters c = sw.fault_counters();
     return "ok dropped=" + std::to_string(c.dropped) + " duplicated=" + std::to_string(c.duplicated) +
-           " reordered=" + std::to_string(c.reordered) + " corrupted=" + std::to_string(c.corrupted);
+           " reordered=" + std::to_string(c.reordered) + " corrupted=" + std::to_string(c.corrupted) +
+           " uplink_lost=" + std::to_string(fabric.uplink_overflow());
   }
   if (sub == "info") {
     long long dev = -1;

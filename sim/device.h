@@ -253,6 +253,8 @@ class Fabric {
     std::string pcap;                               // capture of the switch
   };
   roce::NetSwitch& net_switch() { return _switch; }
+  // Frames lost whole on the uplink (its socket buffer overflowed), since start.
+  uint32_t uplink_overflow() const { return _has_uplink ? _uplink.overflow() : 0; }
   Status start_network(const NetOptions& o);
   void stop_network();
   ~Fabric();

@@ -530,9 +530,21 @@ void Context::cancel(const std::shared_ptr<Request>& rp) {
     if (r.done()) return;
   }
   // In flight (a claimed rendezvous send, an RMA on an asynchronous lane):
-  // it cannot be called back; wait until no engine touches its buffers.
-  if (!spin_wait([&] { return r.done(); }, true, dl))
-    cancel_stuck(r, r.kind == Request::Kind::send ? "a send the receiver is reading" : "a one-sided operation");
+  // it cannot be called back; wait until no engine touches its buffers, a
+  // bound at a time while a lane reports progress toward the peer (a long
+  // transfer on a lossy wire), stuck after a whole bound without.
+  auto mark = [&] {
+    uint64_t m = 0;
+    if (r.peer >= 0 && r.peer < _size)
+      for (auto& t : _transports) m += t->progress_mark(r.peer);
+    return m;
+  };
+  for (Deadline round = dl;; round = Deadline::after_ms(static_cast<int>(_cancel_bound.count()))) {
+    const uint64_t before = mark();
+    if (spin_wait([&] { return r.done(); }, true, round)) return;
+    if (mark() == before) break;
+  }
+  cancel_stuck(r, r.kind == Request::Kind::send ? "a send the receiver is reading" : "a one-sided operation");
 }
 
 // ---- peers: liveness and the control plane ------------------------------------------

@@ -168,6 +168,11 @@ class Transport {
   // before the transport itself reports it failed (verbs: the queue pair's
   // ACK timeout times its retries); part of the cancel bound.
   virtual std::chrono::milliseconds stall_bound() const { return std::chrono::milliseconds(0); }
+  // A mark that moves while this transport makes progress toward `peer`
+  // (completions, frames on its port): a cancel that waits for an operation
+  // in flight keeps waiting, a bound at a time, while it moves. An operation
+  // that stops moving fails by itself within stall_bound(). 0: no such mark.
+  virtual uint64_t progress_mark(int /*peer*/) { return 0; }
   // Called every peer_check_ms by the context's liveness check: a transport
   // whose device vanished fails what is pending on it, and later operations.
   virtual void check_health() {}

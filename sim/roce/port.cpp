@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <cerrno>
+#include <cstring>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -26,9 +27,11 @@ Status DgramPort::open(uint16_t local_port, uint16_t remote_port) {
   // packets of one QP unacknowledged) and then some: a link's buffer, so
   // that only injected faults and real overload drop frames. Root may go
   // past net.core.rmem_max (FORCE); otherwise the kernel caps it there.
-  const int want = 4 << 20;
+  const int want = 16 << 20;
   if (::setsockopt(_fd, SOL_SOCKET, SO_RCVBUFFORCE, &want, sizeof want) != 0)
     (void)::setsockopt(_fd, SOL_SOCKET, SO_RCVBUF, &want, sizeof want);
+  const int one = 1;  // what overflows anyway is counted (overflow())
+  (void)::setsockopt(_fd, SOL_SOCKET, SO_RXQ_OVFL, &one, sizeof one);
   _remote = remote_port;
   return Status::ok();
 }
@@ -54,9 +57,24 @@ Status DgramPort::recv(uint8_t* buf, size_t cap, size_t* len, int timeout_ms) {
   if (r < 0) return errno == EINTR ? Status::ok() : Status::from_errno(errno, "poll");
   if (r == 0) return Status::ok();
   sockaddr_in from{};
-  socklen_t fl = sizeof from;
-  const ssize_t n = ::recvfrom(_fd, buf, cap, MSG_DONTWAIT | MSG_TRUNC, reinterpret_cast<sockaddr*>(&from), &fl);
-  if (n < 0) return errno == EAGAIN || errno == ECONNREFUSED ? Status::ok() : Status::from_errno(errno, "recvfrom");
+  iovec iov{buf, cap};
+  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(uint32_t))];
+  msghdr m{};
+  m.msg_name = &from;
+  m.msg_namelen = sizeof from;
+  m.msg_iov = &iov;
+  m.msg_iovlen = 1;
+  m.msg_control = ctl;
+  m.msg_controllen = sizeof ctl;
+  const ssize_t n = ::recvmsg(_fd, &m, MSG_DONTWAIT | MSG_TRUNC);
+  if (n < 0) return errno == EAGAIN || errno == ECONNREFUSED ? Status::ok() : Status::from_errno(errno, "recvmsg");
+  for (cmsghdr* c = CMSG_FIRSTHDR(&m); c != nullptr; c = CMSG_NXTHDR(&m, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SO_RXQ_OVFL && c->cmsg_len >= CMSG_LEN(sizeof(uint32_t))) {
+      uint32_t v;
+      std::memcpy(&v, CMSG_DATA(c), sizeof v);
+      _overflow.store(v, std::memory_order_relaxed);
+    }
+  }
   if (from.sin_addr.s_addr != htonl(INADDR_LOOPBACK) || ntohs(from.sin_port) != _remote) return Status::ok();
   if (static_cast<size_t>(n) > cap) return Status::ok();  // larger than any frame the port takes: dropped
   *len = static_cast<size_t>(n);

@@ -5,6 +5,8 @@
 //  - PcapWriter: a capture of what crossed a port (tshark, scapy read it).
 #pragma once
 
+#include <atomic>
+
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -26,10 +28,14 @@ class DgramPort {
   // Waits up to timeout_ms for a frame; 0 bytes and ok when none came.
   // Datagrams from any other sender are dropped.
   Status recv(uint8_t* buf, size_t cap, size_t* len, int timeout_ms);
+  // Frames the kernel dropped because the socket's buffer was full (the
+  // link's own losses, SO_RXQ_OVFL), since open.
+  uint32_t overflow() const { return _overflow.load(std::memory_order_relaxed); }
 
  private:
   int _fd = -1;
   uint16_t _remote = 0;
+  std::atomic<uint32_t> _overflow{0};
 };
 
 class PcapWriter {

@@ -794,6 +794,55 @@ TEST(PeerFailure, EndsANotifyWait) {
   EXPECT_EQ(err, "");
 }
 
+// ---- the NPU's RoCE engine between two nodes ------------------------------------------------------
+
+// Two simulators are two nodes (rank 0 on node 0, rank 1 on node 1): the
+// peer is served by npu_roce. Then node 1's simulator is SIGKILLed while
+// rank 1 lives on, silent (its control link stays up): rank 0's next put
+// ends in HCOMM_ERR_PEER_FAILURE from its queue pair's retry limit, within
+// the configured bound (4.096 us x 2^12 x 8 = 134 ms here), not a hang.
+TEST(NpuRoceNodes, KilledRemoteSimulatorIsPeerFailureWithinTheBound) {
+  test::SimProcess n0, n1;
+  ASSERT_EQ(test::start_two_nodes(n0, n1, {"--devices", "1", "--hbm", "16M"}), "");
+  const pid_t victim = n1.pid();
+  const std::string dirs[2] = {n0.dir(), n1.dir()};
+  Env env = {{"HCOMM_ENGINE", "npu"}, {"HCOMM_SOCKET_ADDR", "127.0.0.1"}, {"HCOMM_ROCE_TIMEOUT", "12"}};
+  std::string err = run_ranks(2, env, [&](int rank) {
+    ::setenv("HCOMM_HOST_ID", rank == 0 ? "node0" : "node1", 1);
+    ::setenv("HCOMM_SIM_DIR", dirs[rank].c_str(), 1);
+    ::setenv("LOCAL_RANK", "0", 1);
+    hcomm_config_t cfg = config();
+    hcomm_context_t* ctx = nullptr;
+    RCHECK_OK(hcomm_init(&cfg, &ctx));
+    const int peer = 1 - rank;
+    RCHECK(std::string(hcomm_peer_transport(ctx, peer)) == "npu_roce") << hcomm_peer_transport(ctx, peer);
+    const size_t s = 1 << 20;
+    hcomm_mem_t *w, *l;
+    RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
+    RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
+    hcomm_rkey_t* k = test::swap_keys(ctx, peer, w, 1, T);
+    auto* lp = static_cast<uint8_t*>(hcomm_mem_ptr(l));
+    RCHECK_OK(hcomm_put(ctx, lp, s, k, 0, T)) << "the wire works before";
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    if (rank == 1) {
+      ::kill(victim, SIGKILL);  // our node's simulator: its port, and the uplink, are gone
+      std::this_thread::sleep_for(std::chrono::seconds(3));  // silent, the control link up
+      ::_exit(0);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the simulator is dead by then
+    const auto t0 = std::chrono::steady_clock::now();
+    RCHECK_EQ_STATUS(hcomm_put(ctx, lp, s, k, 0, T), HCOMM_ERR_PEER_FAILURE);
+    const auto ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+    RCHECK(std::strstr(hcomm_last_error(), "retry") != nullptr) << hcomm_last_error();
+    RCHECK(ms < 1500) << "the put failed only after " << ms << " ms";
+    RCHECK_EQ_STATUS(hcomm_put(ctx, lp, 8, k, 0, T), HCOMM_ERR_PEER_FAILURE) << "later operations fail at once";
+    (void)hcomm_rkey_release(k);
+    (void)hcomm_finalize(ctx);  // reports the lost peer; must not hang
+  }, 60);
+  EXPECT_EQ(err, "");
+}
+
 TEST(DeviceLoss, KilledSimulatorFailsPendingAndLaterOperationsWithDeviceError) { device_loss("kill", "hung up"); }
 
 TEST(DeviceLoss, DeviceResetUnderTheDriverFailsPendingAndLaterOperationsWithDeviceError) {

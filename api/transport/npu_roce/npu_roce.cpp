@@ -294,8 +294,17 @@ void NpuRoceTransport::poll(int peer) {
   }
 }
 
+uint64_t NpuRoceTransport::progress_mark(int peer) {
+  uint64_t m = peer >= 0 && peer < _size ? _peers[static_cast<size_t>(peer)].completions : 0;
+  hal::npu::NetInfo ni;
+  if (_lost.is_ok() && _dev.net_info(&ni))
+    m += ni.counters[abi::net_counter::TX_FRAMES] + ni.counters[abi::net_counter::RX_FRAMES];
+  return m;
+}
+
 void NpuRoceTransport::complete_op(int peer, const rdma::Cqe& c) {
   RPeer& p = _peers[static_cast<size_t>(peer)];
+  ++p.completions;
   p.retired = std::max<uint64_t>(p.retired, (c.wr_id & (kRecvBit - 1)) + 1);
   auto it = _ops.find(c.wr_id);
   if (it == _ops.end()) return;

@@ -94,6 +94,9 @@ class NpuRoceTransport final : public Transport {
     const double ms = 4.096e-3 * static_cast<double>(uint64_t{1} << _timeout) * (_retry + 1);
     return std::chrono::milliseconds(static_cast<int64_t>(ms) + 1);
   }
+  // Completions from the peer's queue pair plus the port's frame counters:
+  // a long transfer on a lossy wire is slow, not stuck.
+  uint64_t progress_mark(int peer) override;
   void check_health() override;
   void peer_failed(int peer, const std::string& why) override;
 
@@ -126,6 +129,7 @@ class NpuRoceTransport final : public Transport {
     uint64_t am_posted = 0, am_slot_seq[kSendRing] = {};
     uint64_t table_iova = 0, mailbox_iova = 0;
     uint32_t table_key = 0, mailbox_key = 0;
+    uint64_t completions = 0;
   };
   // The registration table's entry (32 bytes, read by peers).
   struct Entry {
