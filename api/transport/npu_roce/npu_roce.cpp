@@ -655,7 +655,9 @@ bool NpuRoceTransport::am_send(int peer, const MsgHdr& h, const void* payload, s
 // (released at FIN), since the device cannot DMA arbitrary user pages.
 Status NpuRoceTransport::expose(Request& r, MsgHdr& h) {
   const hcomm_mem* m = _ctx.find_local(r.sbuf, r.slen);
-  if (m != nullptr && m->roce_key != 0) {
+  // (Registered without REMOTE_READ: the engine would NAK the peer's READ
+  // and fail the pair, so that buffer is staged like a plain one.)
+  if (m != nullptr && m->roce_key != 0 && (m->access & HCOMM_ACCESS_REMOTE_READ) != 0) {
     h.rkey = m->roce_key;
     h.addr = m->npu.iova + static_cast<uint64_t>(r.sbuf - m->ptr);
     return Status::ok();
