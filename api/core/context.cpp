@@ -332,11 +332,10 @@ Status Context::open_transports(const hcomm_config_t& cfg, const LaunchInfo& li,
   // not join every pair of ranks on different hosts (decided from what every
   // rank contributed, so the same on every rank: its wire-up is collective).
   const bool forced_verbs = !list.empty() && allowed(TransportId::verbs);
-  bool roce_covers = !roce_have.empty();
-  for (const Peer& a : _peers)
-    for (const Peer& b : _peers)
-      if (roce_covers && a.host != b.host && !(roce_have[static_cast<size_t>(a.rank)] && roce_have[static_cast<size_t>(b.rank)]))
-        roce_covers = false;
+  // (With more than one host every rank has a peer on another host, so
+  // every pair across hosts is joined exactly when every rank has npu_roce.)
+  const bool roce_covers =
+      !roce_have.empty() && std::all_of(roce_have.begin(), roce_have.end(), [](bool h) { return h; });
   // Why no cross-host transport: each part names its transport.
   std::string why_not = roce_why.empty() ? "" : "npu_roce: " + roce_why;
   auto also = [&](const std::string& s) { why_not += (why_not.empty() ? "" : "; ") + s; };

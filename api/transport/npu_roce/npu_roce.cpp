@@ -189,14 +189,8 @@ Status NpuRoceTransport::bring_up(int peer, const NpuRoceWireHdr& w, uint32_t qp
   to.path_mtu = w.mtu;  // the smaller of the two ports' MTUs
   Status st = p.qp->connect(to);
   if (!st) return Status(st.code(), "npu_roce: queue pair to rank " + std::to_string(peer) + ": " + st.message());
-  for (uint32_t i = 0; i < kRecvDepth; ++i) {
-    rdma::RecvWqe rw{};
-    rw.wr_id = wr_id(peer, i) | kRecvBit;
-    rw.laddr = recv_iova(peer, i);
-    rw.lkey = _am.key;
-    rw.length = kSlot;
-    if (p.qp->post_recv(rw) != Code::ok) return Status::error(Code::no_resource, "npu_roce: receive ring full");
-  }
+  for (uint32_t i = 0; i < kRecvDepth; ++i)
+    if (!post_recv_slot(peer, i)) return Status::error(Code::no_resource, "npu_roce: receive ring full");
   p.credits = kRecvDepth;
   p.table_iova = w.table_iova;
   p.table_key = w.table_key;
@@ -204,6 +198,16 @@ Status NpuRoceTransport::bring_up(int peer, const NpuRoceWireHdr& w, uint32_t qp
   p.mailbox_key = w.mailbox_key;
   p.up = true;
   return Status::ok();
+}
+
+// Receive buffer `slot` of `peer` (back) on its queue pair.
+bool NpuRoceTransport::post_recv_slot(int peer, uint32_t slot) {
+  rdma::RecvWqe rw{};
+  rw.wr_id = wr_id(peer, slot) | kRecvBit;
+  rw.laddr = recv_iova(peer, slot);
+  rw.lkey = _am.key;
+  rw.length = kSlot;
+  return _peers[static_cast<size_t>(peer)].qp->post_recv(rw) == Code::ok;
 }
 
 uint8_t* NpuRoceTransport::recv_buf(int peer, uint32_t i) const {
@@ -374,12 +378,7 @@ void NpuRoceTransport::deliver(int peer, const rdma::Cqe& c) {
     _sink.on_am(peer, h, buf + sizeof h);
   }
   if (!p.up) return;
-  rdma::RecvWqe rw{};
-  rw.wr_id = c.wr_id;
-  rw.laddr = recv_iova(peer, slot);
-  rw.lkey = _am.key;
-  rw.length = kSlot;
-  if (p.qp->post_recv(rw) != Code::ok) {
+  if (!post_recv_slot(peer, slot)) {
     _sink.on_peer_failed(peer, "npu_roce: receive ring full on repost");
     return;
   }

@@ -157,6 +157,7 @@ class NpuRoceTransport final : public Transport {
   Status sync_wait(int peer, uint64_t id, const Deadline& dl, const char* what);
   void lose(const Status& why);
   uint64_t wr_id(int peer, uint64_t seq) const { return (uint64_t(uint32_t(peer)) << 40) | (seq & ((1ull << 39) - 1)); }
+  bool post_recv_slot(int peer, uint32_t slot);
   uint8_t* recv_buf(int peer, uint32_t i) const;
   uint64_t recv_iova(int peer, uint32_t i) const;
   uint8_t* send_buf(int peer, uint32_t i) const;
