@@ -19,7 +19,7 @@ namespace hcomm::sim {
 namespace {
 
 // net faults drop=P dup=P reorder=P corrupt=P [seed=S] | net drop-next N |
-// net corrupt-next N | net clear | net stats | net info DEV (counters, bad_icrc_total)
+// net corrupt-next N | net clear | net stats (faults, uplink losses, the uplink) | net info DEV (counters, bad_icrc_total)
 std::string net_command(Fabric& fabric, std::istringstream& in) {
   std::string sub;
   in >> sub;
@@ -68,7 +68,7 @@ std::string net_command(Fabric& fabric, std::istringstream& in) {
     const roce::NetFaultCounters c = sw.fault_counters();
     return "ok dropped=" + std::to_string(c.dropped) + " duplicated=" + std::to_string(c.duplicated) +
            " reordered=" + std::to_string(c.reordered) + " corrupted=" + std::to_string(c.corrupted) +
-           " uplink_lost=" + std::to_string(fabric.uplink_overflow());
+           " uplink_lost=" + std::to_string(fabric.uplink_overflow()) + " uplink=" + fabric.uplink_describe();
   }
   if (sub == "info") {
     long long dev = -1;

@@ -1049,12 +1049,11 @@ Fabric::~Fabric() { stop_network(); }
 
 Status Fabric::start_network(const NetOptions& o) {
   if (!o.pcap.empty()) HCOMM_TRY(_switch.capture(o.pcap));
-  if (o.uplink_local != 0) {
-    HCOMM_TRY(_uplink.open(o.uplink_local, o.uplink_remote));
-    _has_uplink = true;
+  if (!o.uplink.empty()) {
+    HCOMM_TRY(roce::open_link(o.uplink, o.run_dir, &_uplink));
     _uplink_port = _switch.add_port(
         [this](const uint8_t* f, size_t n) {
-          if (Status st = _uplink.send(f, n); !st.is_ok())
+          if (Status st = _uplink->send(f, n); !st.is_ok())
             std::fprintf(stderr, "hcomm-sim: uplink: %s\n", st.to_string().c_str());
         },
         false);
@@ -1084,10 +1083,10 @@ void Fabric::network_loop() {
     bool moved = false;
     for (auto& d : _devices) moved |= d->net_service(now);
     _switch.tick(now);
-    if (_has_uplink) {
+    if (_uplink) {
       for (int k = 0; k < 64; ++k) {
         size_t n = 0;
-        if (!_uplink.recv(buf.data(), buf.size(), &n, 0).is_ok() || n == 0) break;
+        if (!_uplink->recv(buf.data(), buf.size(), &n, 0).is_ok() || n == 0) break;
         _switch.ingress(_uplink_port, buf.data(), n, now);
         moved = true;
       }

@@ -247,14 +247,16 @@ class Fabric {
 
   // The network (§16): the switch joining the devices' ports, one thread
   // running every device's network engine, and an optional uplink (a QEMU
-  // -netdev dgram link or another simulator's uplink).
+  // -netdev dgram link to a guest or another simulator, or a DPDK ethdev).
   struct NetOptions {
-    uint16_t uplink_local = 0, uplink_remote = 0;  // 0: no uplink
-    std::string pcap;                               // capture of the switch
+    std::string uplink;  // roce::open_link's spec; empty: no uplink
+    std::string run_dir;  // the simulator's directory (DPDK's runtime files)
+    std::string pcap;     // capture of the switch
   };
   roce::NetSwitch& net_switch() { return _switch; }
-  // Frames lost whole on the uplink (its socket buffer overflowed), since start.
-  uint32_t uplink_overflow() const { return _has_uplink ? _uplink.overflow() : 0; }
+  // Frames lost whole on the uplink (buffers full, link down), since start.
+  uint64_t uplink_overflow() const { return _uplink ? _uplink->overflow() : 0; }
+  std::string uplink_describe() const { return _uplink ? _uplink->describe() : "none"; }
   Status start_network(const NetOptions& o);
   void stop_network();
   ~Fabric();
@@ -265,8 +267,7 @@ class Fabric {
   std::vector<std::unique_ptr<Device>> _devices;
   std::mutex _reduce_mu;
   roce::NetSwitch _switch;
-  roce::DgramPort _uplink;
-  bool _has_uplink = false;
+  std::unique_ptr<roce::Link> _uplink;
   uint32_t _uplink_port = 0;
   std::atomic<bool> _net_stop{false};
   std::thread _net_thread;

@@ -3,7 +3,7 @@
 //   hcomm-sim [--devices N] [--hbm SIZE] [--queues Q] [--dir DIR]
 //             [--fault "CMD"]... [--spin-us US]
 //             [--front vfio-user|ivshmem] [--guest-ram FILE]
-//             [--node N] [--uplink LOCAL:REMOTE] [--pcap FILE]
+//             [--node N] [--uplink LOCAL:REMOTE | --uplink dpdk:DEVARGS] [--pcap FILE]
 //
 // Creates DIR/npu<i>.sock (vfio-user) or, with --front ivshmem, DIR/npu<i>.ivshmem
 // (an ivshmem server socket for QEMU's ivshmem-doorbell), DIR/control.sock
@@ -74,6 +74,9 @@ void usage() {
                "                addresses 10.0.N.i+1 (docs/device-abi.md §16)\n"
                "  --uplink L:R  the switch's uplink: a QEMU -netdev dgram link, UDP 127.0.0.1 port L here\n"
                "                and R there (another hcomm-sim's uplink, or a guest's NIC)\n"
+               "  --uplink dpdk:DEVARGS  the uplink on a DPDK ethdev: net_memif0,role=server|client,socket=NAME\n"
+               "                (two simulators), net_tap0,iface=NAME (the kernel), or a NIC's PCI address;\n"
+               "                HCOMM_SIM_DPDK_EAL adds EAL arguments\n"
                "  --pcap FILE   capture every frame the switch forwards\n");
 }
 
@@ -87,6 +90,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> faults;
   std::string front = "vfio-user", guest_ram, pcap;
   uint32_t node = 0, up_local = 0, up_remote = 0;
+  std::string uplink;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> const char* {
@@ -121,6 +125,8 @@ int main(int argc, char** argv) {
     } else if (a == "--uplink") {
       const std::string v = next();
       const size_t c = v.find(':');
+      uplink = v;
+      if (v.rfind("dpdk:", 0) == 0) continue;
       if (c == std::string::npos || !parse_u32(v.substr(0, c).c_str(), 1, 65535, &up_local) ||
           !parse_u32(v.substr(c + 1).c_str(), 1, 65535, &up_remote)) {
         std::fprintf(stderr, "hcomm-sim: --uplink LOCAL_PORT:REMOTE_PORT\n");
@@ -169,8 +175,8 @@ int main(int argc, char** argv) {
     }
   }
   sim::Fabric::NetOptions net;
-  net.uplink_local = static_cast<uint16_t>(up_local);
-  net.uplink_remote = static_cast<uint16_t>(up_remote);
+  net.uplink = uplink;
+  net.run_dir = dir;
   net.pcap = pcap;
   if (Status st = fabric.start_network(net); !st) {
     std::fprintf(stderr, "hcomm-sim: network: %s\n", st.to_string().c_str());

@@ -1,5 +1,7 @@
 #include "sim/roce/port.h"
 
+#include "sim/roce/dpdk_port.h"
+
 #include <arpa/inet.h>
 #include <cerrno>
 #include <cstring>
@@ -32,8 +34,13 @@ Status DgramPort::open(uint16_t local_port, uint16_t remote_port) {
     (void)::setsockopt(_fd, SOL_SOCKET, SO_RCVBUF, &want, sizeof want);
   const int one = 1;  // what overflows anyway is counted (overflow())
   (void)::setsockopt(_fd, SOL_SOCKET, SO_RXQ_OVFL, &one, sizeof one);
+  _local = local_port;
   _remote = remote_port;
   return Status::ok();
+}
+
+std::string DgramPort::describe() const {
+  return "dgram:127.0.0.1:" + std::to_string(_local) + "->" + std::to_string(_remote);
 }
 
 Status DgramPort::send(const uint8_t* frame, size_t len) {
@@ -78,6 +85,31 @@ Status DgramPort::recv(uint8_t* buf, size_t cap, size_t* len, int timeout_ms) {
   if (from.sin_addr.s_addr != htonl(INADDR_LOOPBACK) || ntohs(from.sin_port) != _remote) return Status::ok();
   if (static_cast<size_t>(n) > cap) return Status::ok();  // larger than any frame the port takes: dropped
   *len = static_cast<size_t>(n);
+  return Status::ok();
+}
+
+namespace {
+
+bool parse_port(const std::string& s, uint16_t* out) {
+  if (s.empty() || s.size() > 5 || s.find_first_not_of("0123456789") != std::string::npos) return false;
+  const unsigned long v = std::stoul(s);
+  if (v == 0 || v > 65535) return false;
+  *out = static_cast<uint16_t>(v);
+  return true;
+}
+
+}  // namespace
+
+Status open_link(const std::string& spec, const std::string& run_dir, std::unique_ptr<Link>* out) {
+  if (spec.rfind("dpdk:", 0) == 0) return open_dpdk_link(spec.substr(5), run_dir, out);
+  const size_t c = spec.find(':');
+  uint16_t local = 0, remote = 0;
+  if (c == std::string::npos || !parse_port(spec.substr(0, c), &local) || !parse_port(spec.substr(c + 1), &remote))
+    return Status::error(Code::invalid_argument,
+                         "uplink '%s': LOCAL_PORT:REMOTE_PORT (UDP, 1-65535) or dpdk:DEVARGS", spec.c_str());
+  auto d = std::make_unique<DgramPort>();
+  HCOMM_TRY(d->open(local, remote));
+  *out = std::move(d);
   return Status::ok();
 }
 

@@ -6,8 +6,12 @@
 // memory, a wrong key, and the switch's fault injection (drop, duplicate,
 // reorder, corrupt; a silent link ending in retry exceeded).
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <linux/if_tun.h>
+#include <net/if.h>
 #include <netinet/in.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -18,6 +22,7 @@
 #include <thread>
 
 #include "common/time.h"
+#include "hcomm_config.h"
 #include "driver/dma_memory.h"
 #include "driver/vfio_user_link.h"
 #include "hal/npu/device.h"
@@ -479,10 +484,18 @@ namespace {
 // switches are joined by their uplinks: queue pairs between an NPU of each
 // move data both ways, with faults injected on both sides; then one
 // simulator is killed and the other's requests end in RETRY_EXC_ERR within
-// the QP's bound.
-TEST(NpuRoceNodes, TwoSimulatorsAreTwoNodes) {
+// the QP's bound. Over both links: UDP datagrams (dgram) and DPDK's
+// net_memif.
+class NpuRoceLinked : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(NpuRoceLinked, TwoSimulatorsAreTwoNodes) {
   test::SimProcess s0, s1;
-  ASSERT_EQ(test::start_two_nodes(s0, s1, {"--devices", "1", "--hbm", "16M"}), "");
+  if (std::string(GetParam()) == "memif" && !HCOMM_HAVE_DPDK) GTEST_SKIP() << "built without DPDK";
+  ASSERT_EQ(test::start_two_nodes(s0, s1, {"--devices", "1", "--hbm", "16M"}, GetParam()), "");
+  if (std::string(GetParam()) == "memif") {  // the uplink really is DPDK's memif
+    EXPECT_NE(s0.control("net stats").find(" uplink=dpdk:net_memif0(net_memif,"), std::string::npos)
+        << s0.control("net stats");
+  }
   std::unique_ptr<npu::Device> d0 = open_dev(s0.socket(0)), d1 = open_dev(s1.socket(0));
   ASSERT_TRUE(d0 && d1);
   npu::NetInfo n0, n1;
@@ -556,6 +569,101 @@ TEST(NpuRoceNodes, TwoSimulatorsAreTwoNodes) {
   const double bound = 8 * 4.096e-3 * (1 << 12);
   EXPECT_LE(ms, bound + 500) << "bound " << bound << " ms";
   (void)d0->unmap(&m0);
+}
+
+// Why a tap interface cannot be made here ("" when it can).
+std::string tap_unavailable() {
+  const int fd = ::open("/dev/net/tun", O_RDWR | O_CLOEXEC);
+  if (fd < 0) return std::string("no /dev/net/tun: ") + std::strerror(errno);
+  ifreq r{};
+  r.ifr_flags = IFF_TAP | IFF_NO_PI;
+  const int rc = ::ioctl(fd, TUNSETIFF, &r);
+  const int err = errno;
+  ::close(fd);
+  return rc == 0 ? "" : std::string("TUNSETIFF (CAP_NET_ADMIN needed): ") + std::strerror(err);
+}
+
+// Gives the kernel interface `ifname` the IPv4 address `ip`/24, up.
+std::string kernel_if_up(const std::string& ifname, const char* ip) {
+  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return std::strerror(errno);
+  ifreq r{};
+  std::snprintf(r.ifr_name, sizeof r.ifr_name, "%s", ifname.c_str());
+  auto* a = reinterpret_cast<sockaddr_in*>(&r.ifr_addr);
+  a->sin_family = AF_INET;
+  std::string err;
+  if (::inet_pton(AF_INET, ip, &a->sin_addr) != 1 || ::ioctl(fd, SIOCSIFADDR, &r) != 0) err = "SIOCSIFADDR";
+  a->sin_addr.s_addr = htonl(0xffffff00u);
+  if (err.empty() && ::ioctl(fd, SIOCSIFNETMASK, &r) != 0) err = "SIOCSIFNETMASK";
+  if (err.empty() && ::ioctl(fd, SIOCGIFFLAGS, &r) != 0) err = "SIOCGIFFLAGS";
+  r.ifr_flags = static_cast<short>(r.ifr_flags | IFF_UP | IFF_RUNNING);
+  if (err.empty() && ::ioctl(fd, SIOCSIFFLAGS, &r) != 0) err = "SIOCSIFFLAGS";
+  if (!err.empty()) err += std::string(" ") + ifname + ": " + std::strerror(errno);
+  ::close(fd);
+  return err;
+}
+
+// The kernel's ARP entry for `ip` ("" while it has none complete).
+std::string kernel_arp(const std::string& ip) {
+  FILE* f = std::fopen("/proc/net/arp", "r");
+  if (f == nullptr) return "";
+  char line[256];
+  std::string mac;
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    char a[64], hw[64], m[64], dev[64];
+    unsigned type = 0, flags = 0;
+    if (std::sscanf(line, "%63s 0x%x 0x%x %63s %63s %63s", a, &type, &flags, hw, m, dev) == 6 && ip == a &&
+        (flags & 0x2) != 0)
+      mac = hw;
+  }
+  std::fclose(f);
+  return mac;
+}
+
+INSTANTIATE_TEST_SUITE_P(Links, NpuRoceLinked, ::testing::Values("dgram", "memif"),
+                         [](const ::testing::TestParamInfo<const char*>& i) { return std::string(i.param); });
+
+// DPDK's net_tap puts the simulator's wire on a kernel interface: the
+// host's own network stack (nothing hcomm wrote) resolves the NPU's IPv4
+// address by ARP, which the engine answers, and a UDP datagram it sends to
+// port 4791 reaches the engine, which parses it and drops it at the ICRC
+// check (the kernel cannot compute RoCE's ICRC; the datagram carries a
+// wrong one).
+TEST(NpuRoceTap, TheKernelsStackReachesTheEngine) {
+  if (!HCOMM_HAVE_DPDK) GTEST_SKIP() << "built without DPDK";
+  if (std::string why = tap_unavailable(); !why.empty()) GTEST_SKIP() << why;
+  const std::string ifname = "hcsim" + std::to_string(::getpid() % 1000000);
+  test::SimProcess s;
+  // Node 213: the NPU is 10.0.213.1, MAC 02:4e:50:55:d5:00.
+  ASSERT_EQ(s.start({"--devices", "1", "--hbm", "16M", "--node", "213", "--uplink", "dpdk:net_tap0,iface=" + ifname}),
+            "");
+  EXPECT_NE(s.control("net stats").find(" uplink=dpdk:net_tap0(net_tap,"), std::string::npos) << s.control("net stats");
+  ASSERT_EQ(kernel_if_up(ifname, "10.0.213.254"), "");
+  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(4791);
+  ASSERT_EQ(::inet_pton(AF_INET, "10.0.213.1", &to.sin_addr), 1);
+  // BTH: RC SEND_ONLY to QP 1, PSN 0; then 4 bytes where the ICRC goes.
+  const uint8_t dgram[16] = {0x04, 0x40, 0xff, 0xff, 0, 0, 0, 1, 0x80, 0, 0, 0, 0xde, 0xad, 0xbe, 0xef};
+  std::string mac;
+  unsigned long long bad = 0;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (std::chrono::steady_clock::now() < until) {
+    // Sent until the engine has seen one (the first may wait on ARP, or
+    // go out before the interface is fully up).
+    (void)::sendto(fd, dgram, sizeof dgram, MSG_DONTWAIT, reinterpret_cast<sockaddr*>(&to), sizeof to);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    mac = kernel_arp("10.0.213.1");
+    const std::string info = s.control("net info 0");
+    const size_t at = info.find(" bad_icrc=");
+    bad = at == std::string::npos ? 0 : std::strtoull(info.c_str() + at + 10, nullptr, 10);
+    if (!mac.empty() && bad > 0) break;
+  }
+  ::close(fd);
+  EXPECT_EQ(mac, "02:4e:50:55:d5:00") << "the kernel resolved the NPU's address by ARP";
+  EXPECT_GT(bad, 0u) << "the kernel's datagram reached the engine's ICRC check: " << s.control("net info 0");
 }
 
 }  // namespace

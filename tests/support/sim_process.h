@@ -136,20 +136,41 @@ inline uint16_t free_udp_port() {
   return p;
 }
 
+// How two simulated nodes' uplinks are joined: "dgram" (UDP on 127.0.0.1,
+// as QEMU's -netdev dgram) or "memif" (DPDK net_memif, shared-memory rings).
+// HCOMM_TEST_ROCE_LINK picks it for the suites that take the default.
+inline std::string roce_link() {
+  const char* e = std::getenv("HCOMM_TEST_ROCE_LINK");
+  return e != nullptr && *e != '\0' ? e : "dgram";
+}
+
 // Two simulators as two nodes (--node 0 / 1) whose switches' uplinks are
-// joined over UDP on 127.0.0.1; extra arguments go to both. "" or why not.
-inline std::string start_two_nodes(SimProcess& n0, SimProcess& n1, const std::vector<std::string>& extra) {
-  const uint16_t p0 = free_udp_port(), p1 = free_udp_port();
-  if (p0 == 0 || p1 == 0 || p0 == p1) return "no free UDP ports for the uplinks";
-  auto args = [&](int node, uint16_t l, uint16_t r) {
+// joined by `link` (roce_link()); extra arguments go to both. "" or why not.
+inline std::string start_two_nodes(SimProcess& n0, SimProcess& n1, const std::vector<std::string>& extra,
+                                   const std::string& link = roce_link()) {
+  std::string up0, up1;
+  if (link == "dgram") {
+    const uint16_t p0 = free_udp_port(), p1 = free_udp_port();
+    if (p0 == 0 || p1 == 0 || p0 == p1) return "no free UDP ports for the uplinks";
+    up0 = std::to_string(p0) + ":" + std::to_string(p1);
+    up1 = std::to_string(p1) + ":" + std::to_string(p0);
+  } else if (link == "memif") {
+    // An abstract socket: nothing on disk, gone with the simulators.
+    static int seq = 0;
+    const std::string sock = "/hcomm-test-" + std::to_string(::getpid()) + "-" + std::to_string(++seq);
+    up0 = "dpdk:net_memif0,role=server,socket=" + sock;
+    up1 = "dpdk:net_memif0,role=client,socket=" + sock;
+  } else {
+    return "unknown link '" + link + "' (dgram, memif)";
+  }
+  auto args = [&](int node, const std::string& up) {
     std::vector<std::string> a = extra;
-    for (const std::string& s : {std::string("--node"), std::to_string(node), std::string("--uplink"),
-                                 std::to_string(l) + ":" + std::to_string(r)})
+    for (const std::string& s : {std::string("--node"), std::to_string(node), std::string("--uplink"), up})
       a.push_back(s);
     return a;
   };
-  if (std::string e = n0.start(args(0, p0, p1)); !e.empty()) return "node 0: " + e;
-  if (std::string e = n1.start(args(1, p1, p0)); !e.empty()) return "node 1: " + e;
+  if (std::string e = n0.start(args(0, up0)); !e.empty()) return "node 0: " + e;
+  if (std::string e = n1.start(args(1, up1)); !e.empty()) return "node 1: " + e;
   return "";
 }
 
