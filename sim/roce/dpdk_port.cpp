@@ -143,7 +143,16 @@ Status open_dpdk_link(const std::string& devargs, const std::string& run_dir, st
                                    "--log-level=lib.eal:warning"};
   if (vdev) {
     for (const char* a : {"--no-huge", "-m", "128", "--no-shconf", "--no-pci"}) args.emplace_back(a);
-    args.push_back("--vdev=" + devargs);
+    std::string dev = devargs;
+    // memif's 2 KiB default buffers chain a full-size frame over two; with
+    // DPDK 22.11 such frames arrived corrupted here (ICRC drops on every
+    // large WRITE), so every frame gets one buffer unless the user says.
+    if (dev.rfind("net_memif", 0) == 0 && dev.find("bsize=") == std::string::npos) {
+      uint32_t b = 2048;
+      while (b < hal::abi::roce::kMaxFrame) b *= 2;
+      dev += ",bsize=" + std::to_string(b);
+    }
+    args.push_back("--vdev=" + dev);
   } else {
     args.push_back("-a");
     args.push_back(devargs);
