@@ -11,11 +11,13 @@
 #include <rte_eal.h>
 #include <rte_errno.h>
 #include <rte_ethdev.h>
+#include <rte_log.h>
 #include <rte_mbuf.h>
 
 #include <array>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -41,11 +43,16 @@ bool g_eal_used = false;  // the EAL starts once per process, and never again af
 
 class DpdkPort final : public Link {
  public:
-  DpdkPort(uint16_t port, rte_mempool* pool, std::string name, std::string runtime)
-      : _port(port), _pool(pool), _name(std::move(name)), _runtime(std::move(runtime)) {}
+  DpdkPort(uint16_t port, rte_mempool* pool, std::string name, std::string runtime, bool redial, bool started)
+      : _port(port),
+        _pool(pool),
+        _name(std::move(name)),
+        _runtime(std::move(runtime)),
+        _redial(redial),
+        _started(started) {}
   ~DpdkPort() override {
     for (uint16_t i = _next; i < _have; ++i) rte_pktmbuf_free(_stash[i]);
-    (void)rte_eth_dev_stop(_port);
+    if (_started) (void)rte_eth_dev_stop(_port);
     (void)rte_eth_dev_close(_port);
     rte_mempool_free(_pool);
     (void)rte_eal_cleanup();
@@ -54,6 +61,7 @@ class DpdkPort final : public Link {
   }
 
   Status send(const uint8_t* frame, size_t len) override {
+    if (!_started) return lost();  // a memif client still dialling
     rte_mbuf* m = rte_pktmbuf_alloc(_pool);
     if (m == nullptr) return lost();
     char* d = rte_pktmbuf_append(m, static_cast<uint16_t>(len));
@@ -75,7 +83,8 @@ class DpdkPort final : public Link {
     if (_next == _have) {
       _next = _have = 0;
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-      while ((_have = rte_eth_rx_burst(_port, 0, _stash.data(), kBurst)) == 0) {
+      while (!_started || (_have = rte_eth_rx_burst(_port, 0, _stash.data(), kBurst)) == 0) {
+        redial();
         if (std::chrono::steady_clock::now() >= deadline) return Status::ok();
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
@@ -108,6 +117,25 @@ class DpdkPort final : public Link {
   }
 
  private:
+  // A memif client connects when its port starts and not again: started
+  // before its server, or after the server went away, its link stays down.
+  // Once a second while the link is down the port is restarted, which
+  // dials again (the network thread is the port's only user but describe()).
+  void redial() {
+    if (!_redial) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (now - _last_dial < std::chrono::seconds(1)) return;
+    _last_dial = now;
+    rte_eth_link link{};
+    if (_started && (rte_eth_link_get_nowait(_port, &link) != 0 || link.link_status != 0)) return;
+    // Quietly: the driver logs every refused connection.
+    const int level = rte_log_get_level(_memif_log);
+    if (_memif_log >= 0) (void)rte_log_set_level(_memif_log, RTE_LOG_CRIT);
+    if (_started) (void)rte_eth_dev_stop(_port);
+    _started = rte_eth_dev_start(_port) == 0;  // no burst calls on a port that did not start
+    if (_memif_log >= 0) (void)rte_log_set_level(_memif_log, static_cast<uint32_t>(level));
+  }
+
   Status lost() {
     _lost.fetch_add(1, std::memory_order_relaxed);
     return Status::ok();
@@ -119,6 +147,10 @@ class DpdkPort final : public Link {
   std::array<rte_mbuf*, kBurst> _stash{};
   uint16_t _next = 0, _have = 0;
   std::atomic<uint64_t> _lost{0};
+  bool _redial;
+  bool _started;
+  int _memif_log = rte_log_register("pmd.net.memif");  // the driver's log type (it registered it)
+  std::chrono::steady_clock::time_point _last_dial = std::chrono::steady_clock::now();
 };
 
 Status eal_error(const char* what) {
@@ -140,7 +172,7 @@ Status open_dpdk_link(const std::string& devargs, const std::string& run_dir, st
   ::setenv("RUNTIME_DIRECTORY", run_dir.c_str(), 1);
   const bool vdev = devargs.rfind("net_", 0) == 0 || devargs.rfind("eth_", 0) == 0;
   std::vector<std::string> args = {"hcomm-sim", "--file-prefix=" + prefix, "--no-telemetry",
-                                   "--log-level=lib.eal:warning"};
+                                   "--log-level=lib.eal:warning", "--log-level=lib.ethdev:warning"};
   if (vdev) {
     for (const char* a : {"--no-huge", "-m", "128", "--no-shconf", "--no-pci"}) args.emplace_back(a);
     std::string dev = devargs;
@@ -213,9 +245,16 @@ Status open_dpdk_link(const std::string& devargs, const std::string& run_dir, st
   // a NIC); memif has none. Frames for the NPUs' MACs, not the port's own.
   (void)rte_eth_dev_set_mtu(port, static_cast<uint16_t>(hal::abi::roce::kMaxFrame - 14));
   (void)rte_eth_promiscuous_enable(port);
-  if (int e = rte_eth_dev_start(port); e != 0)
-    return fail_pool(Status::error(Code::io_error, "DPDK start %s: %s", name, rte_strerror(-e)));
-  *out = std::make_unique<DpdkPort>(port, pool, name, runtime);
+  const bool memif_client = devargs.rfind("net_memif", 0) == 0 && devargs.find("role=client") != std::string::npos;
+  bool started = true;
+  if (int e = rte_eth_dev_start(port); e != 0) {
+    started = false;
+    // A memif client whose server is not there yet keeps dialling (redial).
+    if (!memif_client)
+      return fail_pool(Status::error(Code::io_error, "DPDK start %s: %s", name, rte_strerror(-e)));
+    std::fprintf(stderr, "hcomm-sim: uplink %s: no memif server yet, dialling again every second\n", name);
+  }
+  *out = std::make_unique<DpdkPort>(port, pool, name, runtime, memif_client, started);
   return Status::ok();
 }
 

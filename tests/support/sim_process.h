@@ -171,6 +171,17 @@ inline std::string start_two_nodes(SimProcess& n0, SimProcess& n1, const std::ve
   };
   if (std::string e = n0.start(args(0, up0)); !e.empty()) return "node 0: " + e;
   if (std::string e = n1.start(args(1, up1)); !e.empty()) return "node 1: " + e;
+  if (link == "memif") {
+    // A memif link comes up a moment after both ends exist (the client
+    // connects to the server's socket); traffic before then is lost.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    for (SimProcess* n : {&n0, &n1}) {
+      while (n->control("net stats").find(",link-up)") == std::string::npos) {
+        if (std::chrono::steady_clock::now() > until) return "the memif link did not come up in 10 s";
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+  }
   return "";
 }
 
