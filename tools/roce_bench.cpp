@@ -9,6 +9,7 @@
 //
 //   hcomm-sim --devices 2 --hbm 256M &
 //   build/tools/hcomm-roce-bench [--sim-dir DIR] [--sizes 4K,64K,1M] [--window 16] [--iters N] [--loss 1]
+//                        [--ack-timeout 12]
 //
 // The numbers are the simulator's (one network thread moving every frame
 // with memcpy), not silicon's: compare them with each other, and with the
@@ -31,6 +32,7 @@
 #include "driver/vfio_user_link.h"
 #include "driver/dma_memory.h"
 #include "hal/npu/device.h"
+#include "hal/abi/regs.h"
 #include "hal/abi/roce.h"
 #include "hal/npu/rdma_qp.h"
 
@@ -107,7 +109,7 @@ void check(const Status& st, const char* what) {
 int main(int argc, char** argv) {
   std::string dir = default_sim_dir();
   std::vector<uint32_t> sizes;
-  int window = 16, iters = 0, loss = 0;
+  int window = 16, iters = 0, loss = 0, ack_timeout = 12;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -120,11 +122,15 @@ int main(int argc, char** argv) {
     } else if (a == "--window") window = std::atoi(next().c_str());
     else if (a == "--iters") iters = std::atoi(next().c_str());
     else if (a == "--loss") loss = std::atoi(next().c_str());
-    else die("usage: hcomm-roce-bench [--sim-dir DIR] [--sizes 4K,64K,1M] [--window W] [--iters N] [--loss P]");
+    else if (a == "--ack-timeout") ack_timeout = std::atoi(next().c_str());
+    else
+      die("usage: hcomm-roce-bench [--sim-dir DIR] [--sizes 4K,64K,1M] [--window W] [--iters N] [--loss P] "
+          "[--ack-timeout CODE]");
   }
   if (sizes.empty()) sizes = {4096, 65536, 1u << 20};
   if (window < 1 || window > 64) die("--window is 1..64");
   if (loss < 0 || loss > 50) die("--loss is 0..50 (percent)");
+  if (ack_timeout < 1 || ack_timeout > 31) die("--ack-timeout is 1..31 (4.096 us x 2^CODE)");
   Side s[2];
   for (int k = 0; k < 2; ++k) {
     std::unique_ptr<driver::Link> link;
@@ -139,7 +145,7 @@ int main(int argc, char** argv) {
   npu::QpOptions o;
   o.sq_log2 = 7;
   o.cq_log2 = 8;
-  o.timeout = 12;
+  o.timeout = static_cast<uint8_t>(ack_timeout);
   std::unique_ptr<npu::RdmaQp> qa, qb;
   check(s[0].dev->create_qp(o, &qa), "QP");
   check(s[1].dev->create_qp(o, &qb), "QP");
@@ -153,8 +159,10 @@ int main(int argc, char** argv) {
     return rdma::make_wqe(op, s[0].hbm.iova + off, s[0].key, len, s[1].hbm.iova + off, s[1].key, 0);
   };
   auto run = [&](const char* label) {
-    std::printf("%s (window %d, path MTU 4096)\n", label, window);
-    std::printf("  %10s %12s %14s %14s\n", "bytes", "WRITE MB/s", "packets/s", "retransmits");
+    std::printf("%s (window %d, path MTU 4096, local ACK timeout %.1f ms)\n", label, window,
+                4.096e-3 * static_cast<double>(1u << ack_timeout));
+    std::printf("  %10s %12s %14s %12s %9s %9s\n", "bytes", "WRITE MB/s", "packets/s", "retransmits", "seq NAKs",
+                "timeouts");
     for (uint32_t size : sizes) {
       const int n = iters > 0 ? iters : std::max(8, static_cast<int>((256u << 20) / size / static_cast<uint32_t>(window)));
       npu::NetInfo before, after, rb, ra;
@@ -174,9 +182,13 @@ int main(int argc, char** argv) {
       check(s[1].dev->net_info(&ra), "counters");
       const double bytes = static_cast<double>(size) * window * n;
       const uint64_t frames = (after.counters[0] - before.counters[0]) + (ra.counters[0] - rb.counters[0]);
-      const uint64_t retx = (after.counters[7] - before.counters[7]) + (ra.counters[7] - rb.counters[7]);
-      std::printf("  %10u %12.1f %14.0f %14llu\n", size, bytes / sec / 1e6, static_cast<double>(frames) / sec,
-                  static_cast<unsigned long long>(retx));
+      auto delta = [&](uint32_t i) {
+        return static_cast<unsigned long long>((after.counters[i] - before.counters[i]) + (ra.counters[i] - rb.counters[i]));
+      };
+      namespace nc = hcomm::hal::abi::net_counter;
+      std::printf("  %10u %12.1f %14.0f %12llu %9llu %9llu\n", size, bytes / sec / 1e6,
+                  static_cast<double>(frames) / sec, delta(nc::RETRANSMITS), delta(nc::SEQ_NAKS_RCVD),
+                  delta(nc::TIMEOUTS));
     }
     for (rdma::WrOp op : {rdma::WrOp::WRITE, rdma::WrOp::READ}) {
       std::vector<double> us;

@@ -118,6 +118,7 @@ struct Engine::Qp {
   uint32_t tx_pkt = 0;   // its next packet
   uint32_t next_psn = 0;  // the PSN the next posted request gets
   uint32_t una = 0;       // oldest unacknowledged PSN
+  uint32_t sent_psn = 0;  // one past the highest PSN sent (what is below went before: a resend)
   uint64_t last_progress = 0;
   int retries_left = 0, rnr_left = 0;
   uint64_t rnr_until = 0;       // no transmission before (an RNR wait)
@@ -125,6 +126,7 @@ struct Engine::Qp {
   // responder
   uint32_t epsn = 0, msn = 0;
   bool nak_sent = false;
+  uint32_t nak_psn = 0;  // the packet that drew the last PSN-sequence NAK
   enum class In : uint8_t { none, send, write, reduce } in = In::none;
   uint64_t in_va = 0;
   uint32_t in_rkey = 0, in_len = 0, in_off = 0;
@@ -222,7 +224,7 @@ Status Engine::modify_qp(uint32_t qpn, const rdma::QpAttr& a) {
       q->a.timeout = a.timeout;
       q->a.max_rd_atomic = a.max_rd_atomic;
       q->a.sq_psn = a.sq_psn;
-      q->next_psn = q->una = a.sq_psn;
+      q->next_psn = q->una = q->sent_psn = a.sq_psn;
       q->retries_left = a.retry_cnt;
       q->rnr_left = a.rnr_retry;
       q->state = S::RTS;
@@ -369,7 +371,7 @@ bool Engine::poll(uint64_t now) {
   return sent;
 }
 
-// A READ asks for at most kWindow response packets at a time: the
+// A READ asks for at most kReadPiece response packets at a time: the
 // responder sends a request's responses in one burst, and a link without
 // flow control (a UDP uplink, a TAP) drops what a longer burst overruns.
 // The pieces take the PSNs the whole READ was given, so the wire sees
@@ -381,13 +383,14 @@ void Engine::read_request(Qp& q, size_t slot) {
   p.opcode = static_cast<uint8_t>(Op::READ_REQUEST);
   p.va = s.w.raddr + s.read_got;
   p.rkey = s.w.rkey;
-  // Pieces have fixed bounds (every kWindow packets from the start): a piece
+  // Pieces have fixed bounds (every kReadPiece packets from the start): a piece
   // asked again after a loss never reaches into the next piece's PSNs, which
   // the responder has not seen yet.
-  const uint32_t piece = kWindow * q.mtu;
+  const uint32_t piece = kReadPiece * q.mtu;
   const uint64_t end = std::min<uint64_t>(s.w.length, (uint64_t{s.read_got} / piece + 1) * piece);
   p.dma_len = static_cast<uint32_t>(end - s.read_got);
   p.ack_req = true;
+  count_tx(q, p.psn, std::max<uint32_t>(1, (p.dma_len + q.mtu - 1) / q.mtu));
   send_frame(p, nullptr);
 }
 
@@ -500,6 +503,7 @@ bool Engine::tx_qp(Qp& q, uint64_t now) {
         p.ack_req = true;
         break;
     }
+    count_tx(q, p.psn, 1);
     send_frame(p, src);
     sent = true;
     if (rd || last) {
@@ -512,6 +516,14 @@ bool Engine::tx_qp(Qp& q, uint64_t now) {
   return sent;
 }
 
+// A request packet for PSNs [psn, psn + n) goes out: below sent_psn it was
+// sent before and is counted as a retransmission.
+void Engine::count_tx(Qp& q, uint32_t psn, uint32_t n) {
+  if (wire::psn_diff(psn, q.sent_psn) < 0) ++_c.retransmits;
+  const uint32_t end = wire::psn_add(psn, n);
+  if (wire::psn_diff(end, q.sent_psn) > 0) q.sent_psn = end;
+}
+
 // Restarts transmission at the request holding `psn` (go-back-N).
 void Engine::go_back(Qp& q, uint32_t psn) {
   if (wire::psn_diff(psn, q.una) < 0) psn = q.una;  // never before what is acknowledged
@@ -519,11 +531,6 @@ void Engine::go_back(Qp& q, uint32_t psn) {
     Qp::Slot& s = q.sq[i];
     const int32_t d = wire::psn_diff(psn, s.first_psn);
     if (d >= 0 && static_cast<uint32_t>(d) < s.npsn) {
-      if (i < q.tx_idx || (i == q.tx_idx && q.tx_pkt > 0)) {
-        uint64_t resent = 0;
-        for (size_t k = i; k < q.tx_idx; ++k) resent += q.sq[k].npkt;
-        _c.retransmits += resent;
-      }
       q.tx_idx = i;
       q.tx_pkt = is_read_or_atomic(s.w.opcode) ? 0 : static_cast<uint32_t>(d);
       return;
@@ -843,8 +850,15 @@ void Engine::responder_rx(Qp& q, const wire::Packet& p) {
   const uint16_t h = wire::op_headers(p.opcode);
   const int32_t d = wire::psn_diff(p.psn, q.epsn);
   if (d > 0) {  // ahead: a packet was lost
-    if (!q.nak_sent) {
+    // One NAK per gap, then silence until it fills (IBA; rxe does the same)
+    // -- per round of the requester's: a packet no later than the one that
+    // drew the NAK means the requester went back and the resend of the
+    // expected PSN was lost too; without a second NAK only the local ACK
+    // timeout would notice. (A duplicate on the wire can draw a needless
+    // NAK, which costs a resend, never a result.)
+    if (!q.nak_sent || wire::psn_diff(p.psn, q.nak_psn) <= 0) {
       q.nak_sent = true;
+      q.nak_psn = p.psn;
       ++_c.seq_naks_sent;
       send_ack(q, wire::aeth::NAK_PSN_SEQ, q.epsn);
     }

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -56,8 +57,10 @@ class Wire {
   Faults f;
   std::deque<std::vector<uint8_t>> q[2];  // q[i]: frames on their way to node i
   uint64_t corrupted = 0;
+  std::function<bool(int to, const uint8_t* p, size_t n)> drop_if;  // a chosen frame lost
   void push(int to, const uint8_t* p, size_t n) {
     if (f.blackhole) return;
+    if (drop_if && drop_if(to, p, n)) return;
     std::vector<uint8_t> v(p, p + n);
     if (pct(f.drop)) return;
     if (pct(f.corrupt) && n > 46 + 4) {
@@ -446,6 +449,32 @@ TEST_F(RoceRc, MessagesLongerThanTheWindow) {
   }
   EXPECT_GT(wire.corrupted, 0u);
   EXPECT_EQ(n[0].eng->counters().rx_bad_icrc + n[1].eng->counters().rx_bad_icrc, wire.corrupted);
+}
+
+// The packet lost, and then its resend lost too: the first packet after
+// the resend (the requester went back) draws a second PSN-sequence NAK, so
+// recovery takes two round trips and never the local ACK timeout.
+TEST_F(RoceRc, ALostResendDrawsASecondNakNotATimeout) {
+  register_all();
+  connect(100, 5000, 3, 7, 7, /*timeout=*/20);  // ~4 s: a timeout would show in the counter
+  constexpr uint32_t kLen = 8 * 1024;            // 8 packets of 1 KiB, PSNs 100..107
+  int seen = 0;
+  wire.drop_if = [&seen](int to, const uint8_t* p, size_t len) {
+    if (to != 1 || len < wire::kL2L4Len + 12) return false;
+    const uint8_t* bth = p + wire::kL2L4Len;
+    const uint32_t psn = uint32_t{bth[9]} << 16 | uint32_t{bth[10]} << 8 | bth[11];
+    return psn == 102 && ++seen <= 2;  // the first send and the first resend
+  };
+  fill(0, kBase, kLen, 7);
+  post(0, wqe(rdma::WrOp::WRITE, kBase, kLen, kBase + 0x10000, 1));
+  run();
+  expect_all_success(n[0].cq, 1);
+  EXPECT_EQ(std::memcmp(n[1].mem.at(kBase + 0x10000), n[0].mem.at(kBase), kLen), 0);
+  EXPECT_EQ(seen, 3);
+  EXPECT_EQ(n[1].eng->counters().seq_naks_sent, 2u);
+  EXPECT_EQ(n[0].eng->counters().seq_naks_rcvd, 2u);
+  EXPECT_EQ(n[0].eng->counters().timeouts, 0u);
+  EXPECT_GE(n[0].eng->counters().retransmits, 2u);
 }
 
 // Duplicated on every hop: nothing non-idempotent runs twice.
