@@ -65,11 +65,15 @@ import socket, sys, time
 until = time.time() + 10
 for d in sys.argv[1:]:
     while True:
-        s = socket.socket(socket.AF_UNIX)
-        s.connect(d + "/control.sock")
-        s.sendall(b"net stats\n")
-        reply = s.makefile().readline()
-        s.close()
+        reply = ""
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(5)
+                s.connect(d + "/control.sock")
+                s.sendall(b"net stats\n")
+                reply = s.makefile().readline()
+        except OSError:
+            pass
         if ",link-up)" in reply:
             break
         if time.time() > until:
@@ -98,7 +102,7 @@ PY
 echo "== npu_roce (two simulators, two nodes, UDP uplinks)" >&2
 two_nodes npu_roce dgram
 impls="host npu npu_roce"
-if grep -q "dpdk:" <("$sim" --help 2>&1) && [ "${HCOMM_BENCH_MEMIF:-1}" != 0 ]; then
+if grep -q "uplink dpdk:DEVARGS " <("$sim" --help 2>&1) && [ "${HCOMM_BENCH_MEMIF:-1}" != 0 ]; then
   echo "== npu_roce (two simulators, two nodes, DPDK memif uplinks)" >&2
   two_nodes npu_roce_memif memif
   impls="$impls npu_roce_memif"

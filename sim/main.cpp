@@ -25,6 +25,7 @@
 
 #include "common/paths.h"
 #include "sim/control.h"
+#include "hcomm_config.h"
 #include "sim/device.h"
 #include "sim/ivshmem_front.h"
 #include "sim/vfio_user_server.h"
@@ -74,9 +75,13 @@ void usage() {
                "                addresses 10.0.N.i+1 (docs/device-abi.md §16)\n"
                "  --uplink L:R  the switch's uplink: a QEMU -netdev dgram link, UDP 127.0.0.1 port L here\n"
                "                and R there (another hcomm-sim's uplink, or a guest's NIC)\n"
+#if HCOMM_HAVE_DPDK
                "  --uplink dpdk:DEVARGS  the uplink on a DPDK ethdev: net_memif0,role=server|client,socket=NAME\n"
                "                (two simulators), net_tap0,iface=NAME (the kernel), or a NIC's PCI address;\n"
                "                HCOMM_SIM_DPDK_EAL adds EAL arguments\n"
+#else
+               "  (built without DPDK: no --uplink dpdk:DEVARGS)\n"
+#endif
                "  --pcap FILE   capture every frame the switch forwards\n");
 }
 

@@ -49,7 +49,12 @@ class DpdkPort final : public Link {
         _name(std::move(name)),
         _runtime(std::move(runtime)),
         _redial(redial),
-        _started(started) {}
+        _started(started) {
+    rte_eth_dev_info info{};
+    _driver = rte_eth_dev_info_get(_port, &info) == 0 && info.driver_name != nullptr ? info.driver_name : "?";
+    rte_eth_link link{};
+    _link_up = _started && rte_eth_link_get_nowait(_port, &link) == 0 && link.link_status != 0;
+  }
   ~DpdkPort() override {
     for (uint16_t i = _next; i < _have; ++i) rte_pktmbuf_free(_stash[i]);
     if (_started) (void)rte_eth_dev_stop(_port);
@@ -80,11 +85,12 @@ class DpdkPort final : public Link {
 
   Status recv(uint8_t* buf, size_t cap, size_t* len, int timeout_ms) override {
     *len = 0;
+    housekeeping();
     if (_next == _have) {
       _next = _have = 0;
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
       while (!_started || (_have = rte_eth_rx_burst(_port, 0, _stash.data(), kBurst)) == 0) {
-        redial();
+        housekeeping();
         if (std::chrono::steady_clock::now() >= deadline) return Status::ok();
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
@@ -105,35 +111,35 @@ class DpdkPort final : public Link {
 
   uint64_t overflow() const override { return _lost.load(std::memory_order_relaxed); }
 
+  // From any thread: what the network thread last saw (DPDK's control
+  // calls on a port are not safe against a concurrent stop/start).
   std::string describe() const override {
-    rte_eth_link link{};
-    (void)rte_eth_link_get_nowait(_port, &link);
-    rte_eth_dev_info info{};
-    (void)rte_eth_dev_info_get(_port, &info);
-    std::ostringstream o;
-    o << "dpdk:" << _name << "(" << (info.driver_name != nullptr ? info.driver_name : "?") << ",link-"
-      << (link.link_status != 0 ? "up" : "down") << ")";
-    return o.str();
+    return "dpdk:" + _name + "(" + _driver + ",link-" + (_link_up.load(std::memory_order_relaxed) ? "up" : "down") +
+           ")";
   }
 
  private:
-  // A memif client connects when its port starts and not again: started
-  // before its server, or after the server went away, its link stays down.
-  // Once a second while the link is down the port is restarted, which
-  // dials again (the network thread is the port's only user but describe()).
-  void redial() {
-    if (!_redial) return;
+  // On the network thread, at most every 100 ms: the link state for
+  // describe(), and for a memif client a new dial. A memif client connects
+  // when its port starts and not again: started before its server, or
+  // after the server went away, its link stays down; once a second while
+  // it is down the port is restarted, which dials again.
+  void housekeeping() {
     const auto now = std::chrono::steady_clock::now();
-    if (now - _last_dial < std::chrono::seconds(1)) return;
-    _last_dial = now;
+    if (now - _last_check < std::chrono::milliseconds(100)) return;
+    _last_check = now;
     rte_eth_link link{};
-    if (_started && (rte_eth_link_get_nowait(_port, &link) != 0 || link.link_status != 0)) return;
+    const bool up = _started && rte_eth_link_get_nowait(_port, &link) == 0 && link.link_status != 0;
+    _link_up.store(up, std::memory_order_relaxed);
+    if (!_redial || up || now - _last_dial < std::chrono::seconds(1)) return;
+    _last_dial = now;
     // Quietly: the driver logs every refused connection.
     const int level = rte_log_get_level(_memif_log);
     if (_memif_log >= 0) (void)rte_log_set_level(_memif_log, RTE_LOG_CRIT);
     if (_started) (void)rte_eth_dev_stop(_port);
     _started = rte_eth_dev_start(_port) == 0;  // no burst calls on a port that did not start
     if (_memif_log >= 0) (void)rte_log_set_level(_memif_log, static_cast<uint32_t>(level));
+    _last_check = {};  // look at the link again on the next call
   }
 
   Status lost() {
@@ -149,6 +155,9 @@ class DpdkPort final : public Link {
   std::atomic<uint64_t> _lost{0};
   bool _redial;
   bool _started;
+  std::string _driver;
+  std::atomic<bool> _link_up{false};
+  std::chrono::steady_clock::time_point _last_check{};
   int _memif_log = rte_log_register("pmd.net.memif");  // the driver's log type (it registered it)
   std::chrono::steady_clock::time_point _last_dial = std::chrono::steady_clock::now();
 };
@@ -221,7 +230,12 @@ Status open_dpdk_link(const std::string& devargs, const std::string& run_dir, st
   const bool had = pthread_getaffinity_np(pthread_self(), sizeof cpus, &cpus) == 0;
   const int r = rte_eal_init(static_cast<int>(args.size()), argv.data());
   if (had) (void)pthread_setaffinity_np(pthread_self(), sizeof cpus, &cpus);
-  if (r < 0) return eal_error("EAL did not start");
+  if (r < 0) {
+    Status st = eal_error("EAL did not start");
+    std::error_code ec;
+    std::filesystem::remove_all(runtime, ec);
+    return st;
+  }
 
   auto fail = [&](Status st) {
     (void)rte_eal_cleanup();

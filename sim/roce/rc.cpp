@@ -119,6 +119,7 @@ struct Engine::Qp {
   uint32_t next_psn = 0;  // the PSN the next posted request gets
   uint32_t una = 0;       // oldest unacknowledged PSN
   uint32_t sent_psn = 0;  // one past the highest PSN sent (what is below went before: a resend)
+  uint32_t last_nak_psn = ~0u;  // the PSN of the last PSN-sequence NAK received
   uint64_t last_progress = 0;
   int retries_left = 0, rnr_left = 0;
   uint64_t rnr_until = 0;       // no transmission before (an RNR wait)
@@ -394,6 +395,17 @@ void Engine::read_request(Qp& q, size_t slot) {
   send_frame(p, nullptr);
 }
 
+// An earlier READ still being answered has pieces not yet asked for.
+bool Engine::read_pieces_pending(const Qp& q) const {
+  const uint64_t piece = uint64_t{kReadPiece} * q.mtu;
+  for (size_t i = 0; i < q.tx_idx && i < q.sq.size(); ++i) {
+    const Qp::Slot& s = q.sq[i];
+    if (s.done || static_cast<rdma::WrOp>(s.w.opcode) != rdma::WrOp::READ) continue;
+    if ((uint64_t{s.read_got} / piece + 1) * piece < s.w.length) return true;
+  }
+  return false;
+}
+
 bool Engine::tx_qp(Qp& q, uint64_t now) {
   if (now < q.rnr_until) return false;
   bool sent = false;
@@ -430,6 +442,10 @@ bool Engine::tx_qp(Qp& q, uint64_t now) {
         continue;
       }
     }
+    // A READ asks for its pieces one after another, and the responder takes
+    // PSNs only in order: nothing after a READ goes before its last piece
+    // has been asked for (else it would overtake the pieces' PSNs).
+    if (q.tx_pkt == 0 && read_pieces_pending(q)) break;
     // At most kWindow PSNs unacknowledged. (A READ is judged by its request:
     // one longer than the window still goes, and the PSNs its responses
     // take hold back what follows it.)
@@ -722,11 +738,18 @@ void Engine::requester_rx(Qp& q, const wire::Packet& p, uint64_t now) {
       return;
     }
     // NAKs
+    const uint32_t una_before = q.una;
     ack_through(q, wire::psn_add(p.psn, wire::kPsnMask), now);
     if (p.syndrome == wire::aeth::NAK_PSN_SEQ) {
       ++_c.seq_naks_rcvd;
       go_back(q, p.psn);
-      q.last_progress = now;
+      // A NAK restarts the local ACK timer (the resend needs its round
+      // trip) unless it repeats the last NAK's PSN with nothing newly
+      // acknowledged: a packet the wire loses every time then still runs
+      // the timer out, retry_cnt times, and ends in RETRY_EXC_ERR rather
+      // than in resends forever.
+      if (q.una != una_before || p.psn != q.last_nak_psn) q.last_progress = now;
+      q.last_nak_psn = p.psn;
       return;
     }
     // The request at the NAK's PSN failed; it must be the oldest outstanding one.

@@ -149,6 +149,7 @@ class Engine {
   void ack_through(Qp& q, uint32_t psn, uint64_t now);
   void go_back(Qp& q, uint32_t psn);
   void count_tx(Qp& q, uint32_t psn, uint32_t n);
+  bool read_pieces_pending(const Qp& q) const;
   void complete_front(Qp& q);
   void fail_qp(Qp& q, rdma::WcStatus front_status, uint32_t syndrome);
   // responder

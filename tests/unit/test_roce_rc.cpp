@@ -477,6 +477,51 @@ TEST_F(RoceRc, ALostResendDrawsASecondNakNotATimeout) {
   EXPECT_GE(n[0].eng->counters().retransmits, 2u);
 }
 
+// A packet the wire loses every time: each round draws a NAK, but NAKs
+// that repeat the PSN and acknowledge nothing new do not restart the local
+// ACK timer, so it runs out retry_cnt + 1 times and the request ends in
+// RETRY_EXC_ERR instead of being resent forever.
+TEST_F(RoceRc, APacketLostEveryTimeEndsInRetryExceeded) {
+  register_all();
+  connect(100, 5000, 3, /*retry=*/3, 7, /*timeout=*/8);  // ~1 ms
+  wire.drop_if = [](int to, const uint8_t* p, size_t len) {
+    if (to != 1 || len < wire::kL2L4Len + 12) return false;
+    const uint8_t* bth = p + wire::kL2L4Len;
+    return (uint32_t{bth[9]} << 16 | uint32_t{bth[10]} << 8 | bth[11]) == 102;
+  };
+  fill(0, kBase, 8 * 1024, 7);
+  post(0, wqe(rdma::WrOp::WRITE, kBase, 8 * 1024, kBase + 0x10000, 1));
+  run(200'000);
+  ASSERT_EQ(n[0].cq.size(), 1u);
+  EXPECT_EQ(n[0].cq[0].status, static_cast<uint8_t>(WcStatus::RETRY_EXC_ERR))
+      << rdma::wc_status_name(static_cast<WcStatus>(n[0].cq[0].status));
+  EXPECT_EQ(n[0].eng->qp_state(n[0].qpn), rdma::QpState::ERR);
+  EXPECT_EQ(n[0].eng->counters().timeouts, 4u);  // retry_cnt + 1
+  EXPECT_GT(n[0].eng->counters().seq_naks_rcvd, 1u);
+}
+
+// A READ longer than one piece and a request after it, on a clean wire:
+// the request waits until the READ's last piece has been asked for, so the
+// responder never sees a PSN ahead (no NAK, nothing resent).
+TEST_F(RoceRc, NothingOvertakesTheLastPieceOfARead) {
+  register_all();
+  connect();
+  constexpr uint32_t kRead = (Engine::kReadPiece + 10) * 1024;  // one piece and 10 packets at MTU 1024
+  fill(1, kBase + 0x40000, kRead, 5);
+  fill(0, kBase, 4096, 6);
+  post_recv(1, kBase + 0xc0000, 4096, 9);
+  post(0, wqe(rdma::WrOp::READ, kBase + 0x40000, kRead, kBase + 0x40000, 1));
+  post(0, wqe(rdma::WrOp::SEND, kBase, 4096, 0, 2));
+  post(0, wqe(rdma::WrOp::WRITE, kBase, 4096, kBase + 0x20000, 3));
+  run();
+  expect_all_success(n[0].cq, 3);
+  EXPECT_EQ(std::memcmp(n[0].mem.at(kBase + 0x40000), n[1].mem.at(kBase + 0x40000), kRead), 0);
+  EXPECT_EQ(std::memcmp(n[1].mem.at(kBase + 0xc0000), n[0].mem.at(kBase), 4096), 0);
+  EXPECT_EQ(n[1].eng->counters().seq_naks_sent, 0u);
+  EXPECT_EQ(n[0].eng->counters().retransmits, 0u);
+  EXPECT_EQ(n[1].eng->counters().duplicates, 0u);
+}
+
 // Duplicated on every hop: nothing non-idempotent runs twice.
 TEST_F(RoceRc, DuplicatesAreNeverAppliedTwice) {
   register_all();
