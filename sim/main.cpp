@@ -28,6 +28,7 @@
 #include "hcomm_config.h"
 #include "sim/device.h"
 #include "sim/ivshmem_front.h"
+#include "sim/roce/port.h"
 #include "sim/vfio_user_server.h"
 
 namespace {
@@ -94,7 +95,7 @@ int main(int argc, char** argv) {
   std::string dir = default_sim_dir();
   std::vector<std::string> faults;
   std::string front = "vfio-user", guest_ram, pcap;
-  uint32_t node = 0, up_local = 0, up_remote = 0;
+  uint32_t node = 0;
   std::string uplink;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -128,13 +129,9 @@ int main(int argc, char** argv) {
     } else if (a == "--node") {
       if (!parse_u32(next(), 0, 255, &node)) return usage(), 2;
     } else if (a == "--uplink") {
-      const std::string v = next();
-      const size_t c = v.find(':');
-      uplink = v;
-      if (v.rfind("dpdk:", 0) == 0) continue;
-      if (c == std::string::npos || !parse_u32(v.substr(0, c).c_str(), 1, 65535, &up_local) ||
-          !parse_u32(v.substr(c + 1).c_str(), 1, 65535, &up_remote)) {
-        std::fprintf(stderr, "hcomm-sim: --uplink LOCAL_PORT:REMOTE_PORT\n");
+      uplink = next();
+      if (!sim::roce::valid_link_spec(uplink)) {
+        std::fprintf(stderr, "hcomm-sim: --uplink LOCAL_PORT:REMOTE_PORT or dpdk:DEVARGS\n");
         return 2;
       }
     } else if (a == "--pcap") {

@@ -196,6 +196,7 @@ Status open_dpdk_link(const std::string& devargs, const std::string& run_dir, st
   // simulator's own directory, so nothing is left in /var/run.
   ::setenv("RUNTIME_DIRECTORY", run_dir.c_str(), 1);
   const bool vdev = devargs.rfind("net_", 0) == 0 || devargs.rfind("eth_", 0) == 0;
+  const bool memif = devargs.rfind("net_memif", 0) == 0;
   std::vector<std::string> args = {"hcomm-sim", "--file-prefix=" + prefix, "--no-telemetry",
                                    "--log-level=lib.eal:warning", "--log-level=lib.ethdev:warning"};
   if (vdev) {
@@ -204,7 +205,7 @@ Status open_dpdk_link(const std::string& devargs, const std::string& run_dir, st
     // memif's 2 KiB default buffers chain a full-size frame over two; with
     // DPDK 22.11 such frames arrived corrupted here (ICRC drops on every
     // large WRITE), so every frame gets one buffer unless the user says.
-    if (dev.rfind("net_memif", 0) == 0 && dev.find("bsize=") == std::string::npos) {
+    if (memif && dev.find("bsize=") == std::string::npos) {
       uint32_t b = 2048;
       while (b < hal::abi::roce::kMaxFrame) b *= 2;
       dev += ",bsize=" + std::to_string(b);
@@ -275,7 +276,7 @@ Status open_dpdk_link(const std::string& devargs, const std::string& run_dir, st
   // a NIC); memif has none. Frames for the NPUs' MACs, not the port's own.
   (void)rte_eth_dev_set_mtu(port, static_cast<uint16_t>(hal::abi::roce::kMaxFrame - 14));
   (void)rte_eth_promiscuous_enable(port);
-  const bool memif_client = devargs.rfind("net_memif", 0) == 0 && devargs.find("role=client") != std::string::npos;
+  const bool memif_client = memif && devargs.find("role=client") != std::string::npos;
   bool started = true;
   if (int e = rte_eth_dev_start(port); e != 0) {
     started = false;

@@ -100,11 +100,20 @@ bool parse_port(const std::string& s, uint16_t* out) {
 
 }  // namespace
 
+bool valid_link_spec(const std::string& spec, uint16_t* local, uint16_t* remote) {
+  if (spec.rfind("dpdk:", 0) == 0) return true;
+  const size_t c = spec.find(':');
+  uint16_t l = 0, r = 0;
+  if (c == std::string::npos || !parse_port(spec.substr(0, c), &l) || !parse_port(spec.substr(c + 1), &r)) return false;
+  if (local != nullptr) *local = l;
+  if (remote != nullptr) *remote = r;
+  return true;
+}
+
 Status open_link(const std::string& spec, const std::string& run_dir, std::unique_ptr<Link>* out) {
   if (spec.rfind("dpdk:", 0) == 0) return open_dpdk_link(spec.substr(5), run_dir, out);
-  const size_t c = spec.find(':');
   uint16_t local = 0, remote = 0;
-  if (c == std::string::npos || !parse_port(spec.substr(0, c), &local) || !parse_port(spec.substr(c + 1), &remote))
+  if (!valid_link_spec(spec, &local, &remote))
     return Status::error(Code::invalid_argument,
                          "uplink '%s': LOCAL_PORT:REMOTE_PORT (UDP, 1-65535) or dpdk:DEVARGS", spec.c_str());
   auto d = std::make_unique<DgramPort>();

@@ -39,6 +39,9 @@ class Link {
 // dgram link) or "dpdk:DEVARGS" (sim/roce/dpdk_port.h). `run_dir` holds what
 // the link needs on disk (DPDK's runtime directory).
 Status open_link(const std::string& spec, const std::string& run_dir, std::unique_ptr<Link>* out);
+// Whether `spec` has that form (DEVARGS are checked when the link opens);
+// for a dgram link, its two ports.
+bool valid_link_spec(const std::string& spec, uint16_t* local = nullptr, uint16_t* remote = nullptr);
 
 class DgramPort final : public Link {
  public:

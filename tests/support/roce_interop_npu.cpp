@@ -305,26 +305,25 @@ int main(int argc, char** argv) {
   std::vector<uint8_t> buf(wire::kMaxFrame + 64);
   const uint64_t deadline = t + static_cast<uint64_t>(timeout_s) * 1'000'000'000ull;
   bool failed_qp = false;
+  // Up to 32 frames from one link to the other, each captured; frames the
+  // side channel takes (guest -> NPU only) stop here. True when any came.
+  auto relay = [&](sim::roce::DgramPort& from, const char* from_name, sim::roce::DgramPort& to, const char* to_name,
+                   bool side) {
+    bool any = false;
+    for (int k = 0; k < 32; ++k) {
+      size_t n = 0;
+      check(from.recv(buf.data(), buf.size(), &n, 0), from_name);
+      if (n == 0) break;
+      any = true;
+      t = now_ns();
+      cap.write(buf.data(), n, t);
+      if (!(side && handle_side(buf.data(), n))) check(to.send(buf.data(), n), to_name);
+    }
+    return any;
+  };
   while (t < deadline) {
-    bool moved = false;
-    for (int k = 0; k < 32; ++k) {  // guest -> NPU (or the side channel)
-      size_t n = 0;
-      check(to_guest.recv(buf.data(), buf.size(), &n, 0), "the guest's link");
-      if (n == 0) break;
-      moved = true;
-      t = now_ns();
-      cap.write(buf.data(), n, t);
-      if (!handle_side(buf.data(), n)) check(to_sim.send(buf.data(), n), "the simulator's uplink");
-    }
-    for (int k = 0; k < 32; ++k) {  // NPU -> guest
-      size_t n = 0;
-      check(to_sim.recv(buf.data(), buf.size(), &n, 0), "the simulator's uplink");
-      if (n == 0) break;
-      moved = true;
-      t = now_ns();
-      cap.write(buf.data(), n, t);
-      check(to_guest.send(buf.data(), n), "the guest's link");
-    }
+    bool moved = relay(to_guest, "the guest's link", to_sim, "the simulator's uplink", true);
+    moved |= relay(to_sim, "the simulator's uplink", to_guest, "the guest's link", false);
     rdma::Cqe c[16];
     const uint32_t got = qp->poll(c);
     for (uint32_t i = 0; i < got; ++i) cqes.push_back(c[i]);
