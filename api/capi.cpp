@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "api/core/context.h"
+#include "api/transport/shm/shm.h"
 #include "hal/abi/desc.h"
 #include "hcomm_config.h"
 
@@ -156,19 +157,22 @@ Context::RmaArgs atomic_args(hcomm::api::Rma op, hcomm_rkey_t* rkey, uint64_t of
 
 // The one-sided fast path: a call whose lanes are synchronous (shm, cma)
 // runs without the context lock (Context::rma_unlocked) unless a fence is
-// pending; a nonblocking one then hands out the completed handle.
-[[gnu::always_inline]] inline Status rma_unlocked(Context& ctx, Context::RmaArgs& a) {
+// pending; a nonblocking one then hands out the completed handle. On a key
+// whose lanes are shm the CPU does the operation right here (no virtual
+// call, no Status).
+[[gnu::always_inline]] inline hcomm_status_t rma_unlocked(Context& ctx, Context::RmaArgs& a) {
   if (ctx.rma_fast_checks(a)) {
+    if (uint8_t* t = a.rkey->direct; t != nullptr && hcomm::api::cpu_rma(t + a.roff, a)) return HCOMM_OK;
     const bool atomic = a.op == hcomm::api::Rma::fetch_add || a.op == hcomm::api::Rma::cswap;
-    return (atomic ? a.rkey->alane : a.rkey->lane)->rma(a, nullptr);
+    return ret((atomic ? a.rkey->alane : a.rkey->lane)->rma(a, nullptr));
   }
-  return ctx.rma_unlocked(a);  // checks again, words the error; fills the lookup cache
+  return ret(ctx.rma_unlocked(a));  // checks again, words the error; fills the lookup cache
 }
 [[gnu::always_inline]] inline hcomm_status_t rma_blocking(hcomm_context_t* c, Context::RmaArgs& a, int timeout_ms) {
   if (c == nullptr || !c->impl) return fail(HCOMM_ERR_INVALID, "null context");
   Context& ctx = *c->impl;
   if (a.notify_rkey == reinterpret_cast<hcomm_rkey_t*>(1)) return fail(HCOMM_ERR_INVALID, "null notify key");
-  if (ctx.rma_sync(a) && !ctx.fence_pending()) return ret(rma_unlocked(ctx, a));
+  if (ctx.rma_sync(a) && !ctx.fence_pending()) return rma_unlocked(ctx, a);
   std::unique_lock lock(ctx.mu());
   std::shared_ptr<Request> r;
   Status st = ctx.rma(a, &r);
@@ -181,8 +185,8 @@ Context::RmaArgs atomic_args(hcomm::api::Rma op, hcomm_rkey_t* rkey, uint64_t of
   if (req == nullptr) return fail(HCOMM_ERR_INVALID, "null request pointer");
   if (a.notify_rkey == reinterpret_cast<hcomm_rkey_t*>(1)) return fail(HCOMM_ERR_INVALID, "null notify key");
   if (ctx.rma_sync(a) && !ctx.fence_pending()) {
-    Status st = rma_unlocked(ctx, a);
-    if (!st) return ret(st);
+    hcomm_status_t st = rma_unlocked(ctx, a);
+    if (st != HCOMM_OK) return st;
     *req = &g_done_handle;
     return HCOMM_OK;
   }
@@ -201,7 +205,7 @@ Context::RmaArgs atomic_args(hcomm::api::Rma op, hcomm_rkey_t* rkey, uint64_t of
 hcomm_status_t rma_nbi(hcomm_context_t* c, Context::RmaArgs& a) {
   if (c == nullptr || !c->impl) return fail(HCOMM_ERR_INVALID, "null context");
   Context& ctx = *c->impl;
-  if (ctx.rma_sync(a) && !ctx.fence_pending()) return ret(rma_unlocked(ctx, a));
+  if (ctx.rma_sync(a) && !ctx.fence_pending()) return rma_unlocked(ctx, a);
   std::unique_lock lock(ctx.mu());
   std::shared_ptr<Request> r;
   Status st = ctx.rma(a, &r);

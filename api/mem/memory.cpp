@@ -204,6 +204,7 @@ Status Context::rkey_import(int peer, const void* buf, size_t len, hcomm_rkey** 
         k->sync = k->lane->caps().sync && k->alane->caps().sync;
         auto node = [](const Transport* x) { return x->id() == TransportId::shm || x->id() == TransportId::cma; };
         if (_shm != nullptr && node(k->lane) && node(k->alane)) k->live_gen = _shm->gen_word(peer, h.slot);
+        if (k->live_gen != nullptr && k->lane == k->alane && k->lane->id() == TransportId::shm) k->direct = k->mapped;
         *out = k.release();
         return Status::ok();
       }

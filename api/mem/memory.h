@@ -87,4 +87,7 @@ struct hcomm_rkey {
   // validates against it (null: ask the lanes).
   bool sync = false;
   const std::atomic<uint32_t>* live_gen = nullptr;
+  // Both lanes are shm: the mapped memory, which the fast path loads and
+  // stores itself (cpu_rma in api/transport/shm/shm.h); null otherwise.
+  uint8_t* direct = nullptr;
 };

@@ -287,28 +287,11 @@ Status ShmTransport::unimport(hcomm_rkey& k) {
 
 // ---- one-sided: the initiating CPU moves the bytes, once; complete at return --------------
 
-namespace {
-// The copy of a put or get: words of 8 bytes or less without a call into
-// libc (parameter-server counters, pipeline credits); anything else memcpy.
-inline void copy(uint8_t* dst, const uint8_t* src, size_t n) {
-  switch (n) {
-    case 8: std::memcpy(dst, src, 8); return;
-    case 4: std::memcpy(dst, src, 4); return;
-    default: std::memcpy(dst, src, n); return;
-  }
-}
-}  // namespace
-
 Status ShmTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& /*r*/) {
   hcomm_rkey& k = *a.rkey;
   uint8_t* target = k.mapped + a.roff;
+  if (cpu_rma(target, a)) return Status::ok();  // put, get, fetch atomics
   switch (a.op) {
-    case Rma::put:
-      copy(target, a.local, a.len);
-      return Status::ok();
-    case Rma::get:
-      copy(a.local, target, a.len);
-      return Status::ok();
     case Rma::notify:
       // The data before it is in place (its copy returned); publish the word
       // with release so a waiter that sees it sees the data.
@@ -324,19 +307,7 @@ Status ShmTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& /*r*/) 
       pthread_mutex_unlock(lk);
       return Status::ok();
     }
-    case Rma::fetch_add:
-    case Rma::cswap: {
-      // Every rank maps this memory: CPU atomics are atomic across processes.
-      std::atomic_ref<uint64_t> w(*reinterpret_cast<uint64_t*>(target));
-      if (a.op == Rma::fetch_add) {
-        *a.old_value = w.fetch_add(a.operand, std::memory_order_acq_rel);
-      } else {
-        uint64_t expect = a.compare;
-        w.compare_exchange_strong(expect, a.operand, std::memory_order_acq_rel);
-        *a.old_value = expect;
-      }
-      return Status::ok();
-    }
+    default: break;
   }
   return Status::error(Code::invalid_argument, "shm: unknown operation");
 }

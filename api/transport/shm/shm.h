@@ -24,6 +24,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <utility>
@@ -95,6 +96,39 @@ struct RingLayout {
 struct ChannelLayout {
   RingLayout dir[2];  // dir[0]: lower rank -> higher rank; dir[1]: the reverse
 };
+
+// The CPU's part of a put, get or fetch atomic on memory this rank has
+// mapped (target: the mapped address of the operation). Shared by
+// ShmTransport::rma and the one-sided fast path, which runs it inline on a
+// key whose lanes are shm (hcomm_rkey::direct). Words of 8 or 4 bytes are
+// copied without a call into libc (parameter-server counters, pipeline
+// credits); fetch atomics are CPU atomics (every rank maps this memory).
+// Returns false for any other operation.
+[[gnu::always_inline]] inline bool cpu_rma(uint8_t* target, const RmaOp& a) {
+  auto copy = [](uint8_t* dst, const uint8_t* src, size_t n) {
+    switch (n) {
+      case 8: std::memcpy(dst, src, 8); return;
+      case 4: std::memcpy(dst, src, 4); return;
+      default: std::memcpy(dst, src, n); return;
+    }
+  };
+  switch (a.op) {
+    case Rma::put: copy(target, a.local, a.len); return true;
+    case Rma::get: copy(a.local, target, a.len); return true;
+    case Rma::fetch_add:
+      *a.old_value = std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(target))
+                         .fetch_add(a.operand, std::memory_order_acq_rel);
+      return true;
+    case Rma::cswap: {
+      uint64_t expect = a.compare;
+      std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(target))
+          .compare_exchange_strong(expect, a.operand, std::memory_order_acq_rel);
+      *a.old_value = expect;
+      return true;
+    }
+    default: return false;
+  }
+}
 
 class ShmTransport final : public Transport {
  public:
