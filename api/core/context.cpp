@@ -190,6 +190,7 @@ Status Context::init(const hcomm_config_t& cfg) {
   _mems.assign(kMaxRegs, nullptr);
   _slot_gen.assign(kMaxRegs, 0);
   HCOMM_TRY(open_transports(cfg, li, dl));
+  _sync_only = std::all_of(_transports.begin(), _transports.end(), [](const auto& t) { return t->caps().sync; });
   HCOMM_TRY(open_claims(dl));
   reserve_blocks();
   // Every rank's transports are wired up before anyone sends: a barrier, so

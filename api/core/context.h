@@ -226,6 +226,13 @@ class Context final : public AmSink {
   // about why: rma_unlocked checks again and words any error.
   bool rma_fast_checks(RmaArgs& a) const;
   bool fence_pending() const { return _fence_next.load(std::memory_order_acquire); }
+  // hcomm_flush with nothing to wait for, decided without the lock: every
+  // transport of this context completes its operations inside the call
+  // (shm, cma: no operation outlives it, and none is kept as implicit) and
+  // `peer` is a live rank. False: the locked flush decides (and words errors).
+  bool flush_trivial(int peer) const {
+    return _sync_only && peer >= 0 && peer < _size && (peer == _rank || _peers[static_cast<size_t>(peer)].alive);
+  }
   Status notify_wait(hcomm_mem* m, uint64_t off, uint64_t value, const Deadline& dl);
   Status flush(int peer, const Deadline& dl);
   // An implicit (_nbi) operation's request, on an asynchronous lane: the
@@ -378,6 +385,7 @@ class Context final : public AmSink {
   std::chrono::milliseconds _peer_check{1};
   uint32_t _progress_calls = 0;
   std::atomic<bool> _fence_next{false};
+  bool _sync_only = false;  // every transport is synchronous (fixed at init)
   bool _finalized = false;
   bool _closing = false;
 };
