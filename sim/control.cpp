@@ -97,7 +97,7 @@ std::string control_command(Fabric& fabric, const std::string& line) {
   if (cmd == "net") return net_command(fabric, in);
   long long dev = -1;
   if (!(in >> dev) || dev < 0 || static_cast<unsigned long long>(dev) >= fabric.size())
-    return "error: usage: fail|corrupt|stall|clear|stats|reset DEV [N]; DEV must be 0.." +
+    return "error: usage: fail|corrupt|stale|stall|clear|stats|reset DEV [N]; DEV must be 0.." +
            std::to_string(fabric.size() == 0 ? 0 : fabric.size() - 1);
   Device& d = *fabric.device(static_cast<uint32_t>(dev));
   FaultState& f = d.faults();
@@ -109,6 +109,7 @@ std::string control_command(Fabric& fabric, const std::string& line) {
     f.fail_next = 0;
     f.corrupt_next = 0;
     f.stall_until_ns = 0;
+    f.stale_next = 0;
     return "ok";
   }
   if (cmd == "stats") {
@@ -120,6 +121,8 @@ std::string control_command(Fabric& fabric, const std::string& line) {
     f.fail_next = static_cast<uint32_t>(n);
   } else if (cmd == "corrupt") {
     f.corrupt_next = static_cast<uint32_t>(n);
+  } else if (cmd == "stale") {
+    f.stale_next = static_cast<uint32_t>(n);
   } else if (cmd == "stall") {
     auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(n);
     f.stall_until_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(until.time_since_epoch()).count();

@@ -3,6 +3,8 @@
 //
 //   fail DEV N      next N well-formed descriptors on DEV complete with INJECTED
 //   corrupt DEV N   next N COPYs on DEV flip one byte of the destination (status OK)
+//   stale DEV N     next N fetch atomics on DEV are done but answer the value
+//                   DEV's previous fetch atomic returned (a wrong old value)
 //   stall DEV MS    DEV's engines take no descriptor for MS milliseconds
 //   clear DEV       cancel all of the above
 //   reset DEV       the device resets itself (queues stop, ATT cleared, CONTROL.ENABLE = 0)

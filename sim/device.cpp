@@ -897,7 +897,15 @@ CqStatus Device::execute(Queue& q, const abi::SqEntry& d, uint64_t* fault_addr) 
         old = d.compare;
         word.compare_exchange_strong(old, d.value, std::memory_order_acq_rel);
       }
-      std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(res.ptr)).store(old, std::memory_order_release);
+      uint64_t answer = old;
+      const uint64_t previous = _faults.last_fetched.exchange(old, std::memory_order_relaxed);
+      for (uint32_t n = _faults.stale_next.load(); n > 0;) {
+        if (_faults.stale_next.compare_exchange_weak(n, n - 1)) {
+          answer = previous;
+          break;
+        }
+      }
+      std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(res.ptr)).store(answer, std::memory_order_release);
       return CqStatus::OK;
     }
   }

@@ -54,6 +54,11 @@ struct FaultState {
   std::atomic<uint32_t> fail_next{0};     // next N descriptors complete with INJECTED
   std::atomic<uint32_t> corrupt_next{0};  // next N COPYs flip one byte of the destination
   std::atomic<int64_t> stall_until_ns{0}; // engines take no descriptor before this (steady clock)
+  // next N fetch atomics are done but answer what the device answered to
+  // its previous fetch atomic (what Soft-RoCE did to a retransmitted
+  // compare-swap: the old value of another word)
+  std::atomic<uint32_t> stale_next{0};
+  std::atomic<uint64_t> last_fetched{0};
 };
 
 // A host DMA mapping made by the client (vfio-user DMA_MAP).

@@ -45,6 +45,9 @@ Code from_hcomm(hcomm_status_t s);
 // its state.
 inline constexpr uint32_t kClaimWords = 4096;
 enum : uint64_t { kExposed = 1, kClaimed = 2, kRetracted = 3 };
+// How many compare-swaps a receive sends for one claim whose word answers
+// something that is none of the three states of that message.
+inline constexpr unsigned kClaimAsks = 8;
 constexpr uint64_t claim_token(uint64_t sreq, uint64_t state) { return (sreq << 2) | state; }
 
 // ---- requests ---------------------------------------------------------------------------
@@ -310,9 +313,10 @@ class Context final : public AmSink {
   // retracted it).
   bool match(PostedList::iterator it, int source, const MsgHdr& h, const uint8_t* payload);
   void deliver_eager(Request& r, int source, const MsgHdr& h, const uint8_t* payload);
-  void start_claim(const std::shared_ptr<Request>& r, int source, const MsgHdr& h);
+  void start_claim(const std::shared_ptr<Request>& r, int source, const MsgHdr& h, unsigned asks = 0);
   bool took_rendezvous(const std::shared_ptr<Request>& r) const;
-  void claim_resolved(const std::shared_ptr<Request>& r, int source, const MsgHdr& h, const Request& op, uint64_t old);
+  void claim_resolved(const std::shared_ptr<Request>& r, int source, const MsgHdr& h, const Request& op, uint64_t old,
+                      unsigned asks);
   void finish_claims();
   void rematch();
   Status claim_cas(hcomm_rkey* k, uint32_t idx, uint64_t compare, uint64_t swap, uint64_t* old,
@@ -369,6 +373,7 @@ class Context final : public AmSink {
     uint64_t old = 0;
     int source = -1;
     MsgHdr h{};
+    unsigned asks = 0;  // compare-swaps sent for this claim before this one
   };
   std::list<Claim> _claims;  // claims in flight on asynchronous lanes
   std::chrono::milliseconds _cancel_bound{1000};

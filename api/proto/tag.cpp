@@ -201,7 +201,7 @@ Status Context::claim_cas(hcomm_rkey* k, uint32_t idx, uint64_t compare, uint64_
   return st;
 }
 
-void Context::start_claim(const std::shared_ptr<Request>& rp, int source, const MsgHdr& h) {
+void Context::start_claim(const std::shared_ptr<Request>& rp, int source, const MsgHdr& h, unsigned asks) {
   Peer& p = _peers[static_cast<size_t>(source)];
   hcomm_rkey* k = _claim_keys.empty() ? nullptr : _claim_keys[static_cast<size_t>(source)];
   if (k == nullptr || h.status == kNoSlot || uint64_t{h.status} >= k->h.size / 8) {
@@ -212,7 +212,7 @@ void Context::start_claim(const std::shared_ptr<Request>& rp, int source, const 
     return;
   }
   rp->claiming = true;
-  _claims.push_back({rp, new_request(), 0, source, h});
+  _claims.push_back({rp, new_request(), 0, source, h, asks});
   Claim& c = _claims.back();
   c.op->peer = source;
   c.op->id = next_id();
@@ -221,11 +221,11 @@ void Context::start_claim(const std::shared_ptr<Request>& rp, int source, const 
   // Resolved at once (synchronous lane, or the lane refused).
   Claim done = std::move(c);
   _claims.pop_back();
-  claim_resolved(done.recv, source, h, *done.op, done.old);
+  claim_resolved(done.recv, source, h, *done.op, done.old, done.asks);
 }
 
 void Context::claim_resolved(const std::shared_ptr<Request>& rp, int source, const MsgHdr& h, const Request& op,
-                             uint64_t old) {
+                             uint64_t old, unsigned asks) {
   rp->claiming = false;
   if (rp->done()) return;  // failed meanwhile (its peer failed)
   if (op.status != HCOMM_OK && op.status != HCOMM_ERR_PEER_FAILURE) {
@@ -240,7 +240,28 @@ void Context::claim_resolved(const std::shared_ptr<Request>& rp, int source, con
     post_ctl(source, f);
     return;
   }
-  const bool won = op.status == HCOMM_OK && old == claim_token(h.sreq, kExposed);
+  // The word answers (sreq, exposed): ours now; (sreq, claimed): ours
+  // already (a compare-swap of ours ran before, its answer was lost);
+  // (sreq, retracted): the sender took it back. Any other answer is asked
+  // again (a compare-swap that only swaps (sreq, exposed) changes nothing
+  // else), a bounded number of times: a later message's token, answered
+  // every time, means the word was retracted and reused (lost); an earlier
+  // message's token or no state at all cannot be (the sender wrote (sreq,
+  // exposed) before the RTS left, and its ids only grow). Reading such an
+  // answer as a retraction left the sender waiting for its FIN forever:
+  // over Soft-RoCE under load, a compare-swap whose response was lost came
+  // back, retransmitted, with the old value of the previous compare-swap.
+  const bool known = old == claim_token(h.sreq, kExposed) || old == claim_token(h.sreq, kClaimed) ||
+                     old == claim_token(h.sreq, kRetracted);
+  if (op.status == HCOMM_OK && !known) {
+    if (asks + 1 < kClaimAsks) return start_claim(rp, source, h, asks + 1);
+    if ((old >> 2) <= h.sreq)
+      return peer_failed(_peers[static_cast<size_t>(source)],
+                         "claim word " + std::to_string(h.status) + " answered " + std::to_string(old) + " to " +
+                             std::to_string(kClaimAsks) + " compare-swaps for message " + std::to_string(h.sreq));
+  }
+  const bool won =
+      op.status == HCOMM_OK && (old == claim_token(h.sreq, kExposed) || old == claim_token(h.sreq, kClaimed));
   if (!won) return;  // retracted (or its sender is gone): as if never sent; the receive stays posted
   _posted.remove(rp);
   rp->info = {source, h.tag, static_cast<size_t>(h.total)};
@@ -256,7 +277,7 @@ void Context::finish_claims() {
     }
     Claim c = std::move(*it);
     it = _claims.erase(it);
-    claim_resolved(c.recv, c.source, c.h, *c.op, c.old);
+    claim_resolved(c.recv, c.source, c.h, *c.op, c.old, c.asks);
     resolved = true;
   }
   if (resolved && _claims.empty()) rematch();

@@ -1262,6 +1262,60 @@ TEST_P(Api, InjectedDeviceFaultsSurfaceAndCorruptionIsCaught) {
   });
 }
 
+// A rendezvous claim whose compare-swap answers a value that is none of the
+// message's states (exposed, claimed, retracted) is asked again, not read as
+// a retraction: before, the receive stayed posted and the sender waited for
+// its FIN until both timed out (found over Soft-RoCE, whose replay of a
+// retransmitted compare-swap answered the previous compare-swap's old value;
+// the simulator's `stale` fault does the same). NPU only: the claim
+// compare-swaps of same-node ranks are the device's fetch atomics.
+TEST_P(Api, ClaimAnsweredWithAnotherWordsValueIsAskedAgain) {
+  if (!npu()) GTEST_SKIP() << "fault injection is a simulator feature";
+  if (nodes()) GTEST_SKIP() << "DMA-queue faults; the two-node cases inject the network's on every test";
+  if (g_sim == nullptr) GTEST_SKIP() << "needs hcomm-sim's control socket (not reachable with HCOMM_TEST_DEVICES)";
+  test::SimProcess* sim = g_sim;
+  run([sim](hcomm_context_t* ctx, int me, int n) {
+    constexpr size_t kLen = 256 << 10;  // rendezvous
+    constexpr int kWindow = 4;
+    std::vector<uint8_t> sbuf(kLen), rbuf(kWindow * kLen);
+    for (size_t i = 0; i < kLen; ++i) sbuf[i] = static_cast<uint8_t>(i * 7 + me);
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    for (int round = 0; round < 3; ++round) {
+      // Rank 1 does the claims (it receives); every fetch atomic of its
+      // device answers the previous one's old value for a while.
+      if (me == 1) {
+        RCHECK(sim->control("stale 1 " + std::to_string(1 + round)) == "ok");
+      }
+      RCHECK_OK(hcomm_barrier(ctx, T));
+      if (me == 0) {
+        hcomm_request_t* r[kWindow];
+        for (int k = 0; k < kWindow; ++k) RCHECK_OK(hcomm_isend(ctx, 1, sbuf.data(), kLen, 40 + k, &r[k]));
+        for (auto* q : r) {
+          RCHECK_OK(hcomm_wait(q, T)) << hcomm_last_error();
+          hcomm_request_free(q);
+        }
+      } else if (me == 1) {
+        hcomm_request_t* r[kWindow];
+        std::fill(rbuf.begin(), rbuf.end(), 0);
+        for (int k = 0; k < kWindow; ++k)
+          RCHECK_OK(hcomm_irecv(ctx, 0, rbuf.data() + k * kLen, kLen, 40 + k, HCOMM_TAG_MASK_ALL, &r[k]));
+        for (auto* q : r) {
+          RCHECK_OK(hcomm_wait(q, T)) << hcomm_last_error();
+          hcomm_request_free(q);
+        }
+        for (int k = 0; k < kWindow; ++k) {
+          for (size_t i = 0; i < kLen; ++i) {
+            RCHECK(rbuf[k * kLen + i] == static_cast<uint8_t>(i * 7)) << "message " << k << " byte " << i;
+          }
+        }
+        RCHECK(sim->control("clear 1") == "ok");
+      }
+      RCHECK_OK(hcomm_barrier(ctx, T));
+    }
+    (void)n;
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Engines, Api,
                          ::testing::Values(Param{"host", 2}, Param{"host", 4}, Param{"npu", 2}, Param{"npu", 4},
                                            Param{"npu", 2, true}, Param{"npu", 4, true}),

@@ -112,7 +112,7 @@ TEST(ControlSession, LinesSplitAcrossReadsAndTheLineLimit) {
   EXPECT_FALSE(drop);
   EXPECT_EQ(feed("ng\nfail 0 2\nstats 0\nfail 1"), "ok\nok\nok completed=0 errors=0\n");
   EXPECT_EQ(fabric.device(0)->faults().fail_next.load(), 2u);
-  EXPECT_EQ(feed(" 1\n"), "error: usage: fail|corrupt|stall|clear|stats|reset DEV [N]; DEV must be 0..0\n");
+  EXPECT_EQ(feed(" 1\n"), "error: usage: fail|corrupt|stale|stall|clear|stats|reset DEV [N]; DEV must be 0..0\n");
   EXPECT_EQ(feed("clear 0\n"), "ok\n");
   EXPECT_EQ(fabric.device(0)->faults().fail_next.load(), 0u);
   EXPECT_EQ(feed(std::string(ControlSession::kMaxLine + 1, 'x')), "error: line too long\n");
