@@ -682,7 +682,10 @@ bool Context::spin_wait(const std::function<bool()>& done, bool progress_each_ro
     if (start == Clock::time_point{}) start = now;
     if (now >= dl.at()) return false;
     const auto waited = now - start;
-    if (waited < std::chrono::microseconds(50)) continue;
+    // Over a software RDMA device a round trip takes hundreds of microseconds
+    // (QEMU guests): spin up to 2 ms before napping, as perftest spins; rxe's
+    // work runs in softirq context, which preempts the spinning thread.
+    if (waited < (_nap_early ? std::chrono::microseconds(2000) : std::chrono::microseconds(50))) continue;
     _mu.unlock();
     // A software RDMA device (rxe, siw) does the NIC's work in kernel threads
     // on these CPUs, and sched_yield does not hand them the CPU: nap at once.
