@@ -495,20 +495,22 @@ void Context::cancel_send(const std::shared_ptr<Request>& rp, const Deadline& dl
   // A rendezvous: take our claim word back unless the receiver won it. An
   // answer that is none of this send's states is no answer: ask again (see
   // claim_resolved in api/proto/tag.cpp).
-  uint64_t old = 0;
-  const uint64_t exposed = claim_token(r.id, kExposed), retracted = claim_token(r.id, kRetracted);
+  uint64_t state = 0;
   for (unsigned ask = 0;; ++ask) {
     auto g = new_request();
     g->peer = _rank;
     g->id = next_id();
-    (void)claim_cas(_claim_keys[static_cast<size_t>(_rank)], r.claim, exposed, retracted, &old, g);
+    uint64_t old = 0;
+    (void)claim_cas(_claim_keys[static_cast<size_t>(_rank)], r.claim, claim_token(r.id, kExposed),
+                    claim_token(r.id, kRetracted), &old, g);
     if (!spin_wait([&] { return g->done(); }, true, dl)) return cancel_stuck(r, "retracting a rendezvous send");
     if (r.done()) return;  // the FIN came meanwhile
     if (g->status != HCOMM_OK) return;  // the word is out of reach: the FIN or the peer's failure decides
     // (Our own word: nothing else writes a later message's token into it.)
-    if (old == exposed || old == retracted || old == claim_token(r.id, kClaimed) || ask + 1 == kClaimAsks) break;
+    state = claim_state(old, r.id);
+    if (state != 0 || ask + 1 == kClaimAsks) break;
   }
-  if (old != exposed && old != retracted) return;  // claimed: wait for the FIN
+  if (state != kExposed && state != kRetracted) return;  // claimed (or no answer): wait for the FIN
   _pending_sends.erase(r.id);
   MsgHdr h{};
   h.type = static_cast<uint32_t>(MsgType::retract);

@@ -49,6 +49,9 @@ enum : uint64_t { kExposed = 1, kClaimed = 2, kRetracted = 3 };
 // something that is none of the three states of that message.
 inline constexpr unsigned kClaimAsks = 8;
 constexpr uint64_t claim_token(uint64_t sreq, uint64_t state) { return (sreq << 2) | state; }
+// The state a claim word's value gives message sreq (kExposed, kClaimed,
+// kRetracted), or 0 when the value is none of that message's tokens.
+constexpr uint64_t claim_state(uint64_t word, uint64_t sreq) { return (word >> 2) == sreq ? (word & 3) : 0; }
 
 // ---- requests ---------------------------------------------------------------------------
 struct Request {

@@ -251,17 +251,15 @@ void Context::claim_resolved(const std::shared_ptr<Request>& rp, int source, con
   // answer as a retraction left the sender waiting for its FIN forever:
   // over Soft-RoCE under load, a compare-swap whose response was lost came
   // back, retransmitted, with the old value of the previous compare-swap.
-  const bool known = old == claim_token(h.sreq, kExposed) || old == claim_token(h.sreq, kClaimed) ||
-                     old == claim_token(h.sreq, kRetracted);
-  if (op.status == HCOMM_OK && !known) {
+  const uint64_t state = claim_state(old, h.sreq);
+  if (op.status == HCOMM_OK && state == 0) {
     if (asks + 1 < kClaimAsks) return start_claim(rp, source, h, asks + 1);
     if ((old >> 2) <= h.sreq)
       return peer_failed(_peers[static_cast<size_t>(source)],
                          "claim word " + std::to_string(h.status) + " answered " + std::to_string(old) + " to " +
                              std::to_string(kClaimAsks) + " compare-swaps for message " + std::to_string(h.sreq));
   }
-  const bool won =
-      op.status == HCOMM_OK && (old == claim_token(h.sreq, kExposed) || old == claim_token(h.sreq, kClaimed));
+  const bool won = op.status == HCOMM_OK && (state == kExposed || state == kClaimed);
   if (!won) return;  // retracted (or its sender is gone): as if never sent; the receive stays posted
   _posted.remove(rp);
   rp->info = {source, h.tag, static_cast<size_t>(h.total)};
