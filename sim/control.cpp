@@ -19,7 +19,7 @@ namespace hcomm::sim {
 namespace {
 
 // net faults drop=P dup=P reorder=P corrupt=P [seed=S] | net drop-next N |
-// net corrupt-next N | net clear | net stats (faults, uplink losses, the uplink) | net info DEV (counters, bad_icrc_total)
+// net corrupt-next N | net clear | net stats (faults, uplink losses, the uplink) | net info DEV (counters; bad_icrc_total, retransmits_total, timeouts_total since start)
 std::string net_command(Fabric& fabric, std::istringstream& in) {
   std::string sub;
   in >> sub;
@@ -77,12 +77,14 @@ std::string net_command(Fabric& fabric, std::istringstream& in) {
     roce::NetPort* p = fabric.device(static_cast<uint32_t>(dev))->net();
     if (p == nullptr) return "error: device has no network engine";
     const roce::Counters c = p->counters();
+    const roce::NetPort::Totals t = p->totals();
     std::string d = p->describe();
     for (char& ch : d)
       if (ch == '\n') ch = ';';
     return "ok " + d + " counters tx=" + std::to_string(c.tx_frames) + " rx=" + std::to_string(c.rx_frames) +
            " bad_icrc=" + std::to_string(c.rx_bad_icrc) + " retransmits=" + std::to_string(c.retransmits) +
-           " timeouts=" + std::to_string(c.timeouts) + " bad_icrc_total=" + std::to_string(p->icrc_drops_total());
+           " timeouts=" + std::to_string(c.timeouts) + " bad_icrc_total=" + std::to_string(t.bad_icrc) +
+           " retransmits_total=" + std::to_string(t.retransmits) + " timeouts_total=" + std::to_string(t.timeouts);
   }
   return "error: usage: net faults|drop-next|corrupt-next|clear|stats|info ...";
 }

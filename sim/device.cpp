@@ -1113,24 +1113,50 @@ void Fabric::stop_network() {
 // uplink, round after round. Like the DMA engines it keeps polling for a
 // while after the last round that moved something (a reply is usually on
 // its way), then naps 100 us per idle round.
+//
+// The engines run on the devices' own clock, not the wall's. A NIC reads
+// its wire at line rate on its own silicon; this thread shares the CPUs
+// with the ranks and the other simulator, and under a sanitizer on two
+// vCPUs it can be descheduled for tens of milliseconds or fall behind the
+// frames queued on its uplink (16 MiB of socket buffer is ~2000 frames).
+// Were the local ACK timers to count that time, a QP would time out on
+// answers that arrived and wait unread, resend its window or a READ
+// piece into the same queue, and make the queue longer: go-back-N
+// collapse, ending in RETRY_EXC_ERR on a healthy link. So the clock
+// advances at most kMaxStepNs per round (a round longer than that was the
+// simulator not running), and at most kBehindStepNs per round while the
+// uplink still holds frames this thread has not read. A silent or dead
+// peer leaves nothing queued: the timers then run at wall speed.
 void Fabric::network_loop() {
+  constexpr uint64_t kMaxStepNs = 5'000'000;
+  constexpr uint64_t kBehindStepNs = 20'000;
+  constexpr int kUplinkBurst = 64;
   std::vector<uint8_t> buf(hal::abi::roce::kMaxFrame + 64);
-  uint64_t last_busy = 0;
+  auto wall = [] {
+    return static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+            .count());
+  };
+  uint64_t last_busy = 0, last_wall = wall(), now = last_wall;
+  bool behind = false;
   const uint32_t spin_us = _devices.empty() ? 0 : _devices[0]->config().spin_us;
   while (!_net_stop.load(std::memory_order_relaxed)) {
-    const auto now = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                               std::chrono::steady_clock::now().time_since_epoch())
-                                               .count());
+    const uint64_t w = wall();
+    now += std::min(w - last_wall, behind ? kBehindStepNs : kMaxStepNs);
+    last_wall = w;
     bool moved = false;
     for (auto& d : _devices) moved |= d->net_service(now);
     _switch.tick(now);
+    behind = false;
     if (_uplink) {
-      for (int k = 0; k < 64; ++k) {
+      int k = 0;
+      for (; k < kUplinkBurst; ++k) {
         size_t n = 0;
         if (!_uplink->recv(buf.data(), buf.size(), &n, 0).is_ok() || n == 0) break;
         _switch.ingress(_uplink_port, buf.data(), n, now);
         moved = true;
       }
+      behind = k == kUplinkBurst;  // (the next frame may be there or not: judged as there)
     }
     if (moved) {
       last_busy = now;

@@ -169,7 +169,10 @@ void NetPort::make_engine() {
 void NetPort::reset() {
   std::lock_guard lk(_mu);
   for (auto& s : _slots) s.reset();
-  _icrc_before += _eng->counters().rx_bad_icrc;
+  const Counters c = _eng->counters();
+  _before.bad_icrc += c.rx_bad_icrc;
+  _before.retransmits += c.retransmits;
+  _before.timeouts += c.timeouts;
   _addr.ip = _default_ip;
   make_engine();
   std::memset(_arg, 0, sizeof _arg);
@@ -195,9 +198,10 @@ Counters NetPort::counters() const {
   return _eng->counters();
 }
 
-uint64_t NetPort::icrc_drops_total() const {
+NetPort::Totals NetPort::totals() const {
   std::lock_guard lk(_mu);
-  return _icrc_before + _eng->counters().rx_bad_icrc;
+  const Counters c = _eng->counters();
+  return Totals{_before.bad_icrc + c.rx_bad_icrc, _before.retransmits + c.retransmits, _before.timeouts + c.timeouts};
 }
 
 std::string NetPort::describe() const {

@@ -106,10 +106,14 @@ class NetPort {
   bool service(uint64_t now_ns);
 
   const PortAddr& addr() const { return _addr; }
-  // Frames dropped by an ICRC check since the simulator started (the
-  // port's counters restart at every device reset): what tests compare
-  // with the corruptions the switch injected.
-  uint64_t icrc_drops_total() const;
+  // Since the simulator started (the port's counters restart at every
+  // device reset): frames dropped by an ICRC check, what tests compare with
+  // the corruptions the switch injected; packets resent and local ACK
+  // timeouts, what they report.
+  struct Totals {
+    uint64_t bad_icrc = 0, retransmits = 0, timeouts = 0;
+  };
+  Totals totals() const;
   Counters counters() const;
   std::string describe() const;  // port and QPs (hcomm-probe info via the control socket)
 
@@ -128,7 +132,7 @@ class NetPort {
   mutable std::mutex _mu;
   std::unique_ptr<MrTable> _mrs;
   std::unique_ptr<Engine> _eng;
-  uint64_t _icrc_before = 0;  // ICRC drops of the engines before this one (resets)
+  Totals _before;  // the engines' before this one (resets)
   std::vector<std::unique_ptr<Slot>> _slots;
   uint8_t _arg[hal::abi::reg::kNetCmdArgSize] = {};
   uint32_t _cmd_status = 0, _cmd_result = 0;

@@ -121,6 +121,7 @@ struct Engine::Qp {
   uint32_t sent_psn = 0;  // one past the highest PSN sent (what is below went before: a resend)
   uint32_t last_nak_psn = ~0u;  // the PSN of the last PSN-sequence NAK received
   uint64_t last_progress = 0;
+  uint64_t last_answer = 0;  // when the peer's responder last sent anything (an ACK, NAK, response)
   int retries_left = 0, rnr_left = 0;
   uint64_t rnr_until = 0;       // no transmission before (an RNR wait)
   uint32_t read_gap_psn = ~0u;  // the READ response PSN a go-back was last started for
@@ -361,6 +362,15 @@ bool Engine::poll(uint64_t now) {
     if (outstanding && to != 0 && now >= q->rnr_until && now - q->last_progress >= to) {
       ++_c.timeouts;
       if (q->retries_left-- == 0) {
+        // Said once on stderr (the simulator's log): where the QP stood.
+        const Qp::Slot& s = q->sq.front();
+        std::fprintf(stderr,
+                     "hcomm-sim: QP %u -> %s QP %u: RETRY_EXC_ERR after %d local ACK timeouts of %.1f ms: front "
+                     "request op %u PSN %u+%u (%u bytes read), unacked from %u, next PSN %u, last NAK for %u, "
+                     "peer last answered %.1f ms ago\n",
+                     q->qpn, wire::ip_string(q->a.remote_ip).c_str(), q->a.dest_qpn, q->a.retry_cnt + 1, to / 1e6,
+                     s.w.opcode, s.first_psn, s.npsn, s.read_got, q->una, q->next_psn, q->last_nak_psn,
+                     q->last_answer == 0 ? -1.0 : static_cast<double>(now - q->last_answer) / 1e6);
         fail_qp(*q, WcStatus::RETRY_EXC_ERR, 0);
         continue;
       }
@@ -683,7 +693,10 @@ void Engine::rx(const uint8_t* f, size_t len, uint64_t now) {
     return;
   }
   if (wire::op_headers(p.opcode) & wire::hdr::RESPONSE) {
-    if (q->state == rdma::QpState::RTS) requester_rx(*q, p, now);
+    if (q->state == rdma::QpState::RTS) {
+      q->last_answer = now;
+      requester_rx(*q, p, now);
+    }
   } else {
     responder_rx(*q, p);
   }

@@ -43,6 +43,7 @@ test::SimProcess* g_sim = nullptr;
 test::SimProcess* g_node[2] = {nullptr, nullptr};  // the two-node cases' simulators, started on first use
 unsigned long long g_icrc_base = 0;                 // their ports' ICRC drops when the current case started
 unsigned long long g_lost_base = 0;                 // and their uplinks' lost frames
+unsigned long long g_resent_base = 0, g_timeouts_base = 0;  // and their ports' resent packets and ACK timeouts
 std::string g_devices;  // HCOMM_TEST_DEVICES
 
 int device_count(const std::string& list) {
@@ -95,6 +96,8 @@ class Api : public ::testing::TestWithParam<Param> {
       g_icrc_base = icrc_drops();
       ASSERT_NE(g_icrc_base, ~0ull) << "net info has no bad_icrc_total";
       g_lost_base = wire().lost;
+      g_resent_base = net_counter("retransmits_total");
+      g_timeouts_base = net_counter("timeouts_total");
       ASSERT_NE(g_lost_base, ~0ull) << "net stats unreadable";
       return;
     }
@@ -114,14 +117,16 @@ class Api : public ::testing::TestWithParam<Param> {
   // overflowed: `uplink_lost`, the kernel's count); some may still be on
   // their way when the ranks are done (waited for, bounded). And the faults
   // were really there.
-  static unsigned long long icrc_drops() {
+  static unsigned long long icrc_drops() { return net_counter("bad_icrc_total"); }
+  // A counter of `net info`, summed over the four ports (~0: unreadable).
+  static unsigned long long net_counter(const std::string& name) {
     unsigned long long n = 0;
     for (auto* s : g_node)
       for (int dev = 0; dev < 2; ++dev) {
         const std::string info = s->control("net info " + std::to_string(dev));
-        const size_t at = info.find(" bad_icrc_total=");
+        const size_t at = info.find(" " + name + "=");
         if (at == std::string::npos) return ~0ull;
-        n += std::strtoull(info.c_str() + at + 16, nullptr, 10);
+        n += std::strtoull(info.c_str() + at + name.size() + 2, nullptr, 10);
       }
     return n;
   }
@@ -161,8 +166,11 @@ class Api : public ::testing::TestWithParam<Param> {
     if (std::getenv("HCOMM_TEST_ROCE_FAULTS") == nullptr) {
       EXPECT_GT(w.dropped, 0u) << "the default faults dropped nothing";
     }
-    std::fprintf(stderr, "wire: %llu dropped, %llu corrupted (%llu ICRC drops), %llu lost on the uplinks\n", w.dropped,
-                 w.corrupted, bad_icrc, lost);
+    std::fprintf(stderr,
+                 "wire: %llu dropped, %llu corrupted (%llu ICRC drops), %llu lost on the uplinks; %llu packets resent, "
+                 "%llu local ACK timeouts\n",
+                 w.dropped, w.corrupted, bad_icrc, lost, net_counter("retransmits_total") - g_resent_base,
+                 net_counter("timeouts_total") - g_timeouts_base);
   }
   void run(const std::function<void(hcomm_context_t*, int, int)>& body, int timeout_s = 120,
            std::vector<int> killed_ok = {}) {
