@@ -1132,11 +1132,7 @@ void Fabric::network_loop() {
   constexpr uint64_t kBehindStepNs = 20'000;
   constexpr int kUplinkBurst = 64;
   std::vector<uint8_t> buf(hal::abi::roce::kMaxFrame + 64);
-  auto wall = [] {
-    return static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-            .count());
-  };
+  auto wall = [] { return static_cast<uint64_t>(now_ns()); };
   uint64_t last_busy = 0, last_wall = wall(), now = last_wall;
   bool behind = false;
   const uint32_t spin_us = _devices.empty() ? 0 : _devices[0]->config().spin_us;
