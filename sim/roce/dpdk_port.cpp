@@ -57,6 +57,13 @@ class DpdkPort final : public Link {
   }
   ~DpdkPort() override {
     for (uint16_t i = _next; i < _have; ++i) rte_pktmbuf_free(_stash[i]);
+    // DPDK 22.11's memif server frees its listener's interrupt handle on
+    // close without unregistering the handler: until rte_eal_cleanup stops
+    // the interrupt thread, a peer's pending connection makes it log
+    // "Failed to accept connection request on socket fd -1" in a loop
+    // (thousands of lines per exit). The port is going away: keep the
+    // driver quiet from here on.
+    if (_memif_log >= 0) (void)rte_log_set_level(_memif_log, RTE_LOG_CRIT);
     if (_started) (void)rte_eth_dev_stop(_port);
     (void)rte_eth_dev_close(_port);
     rte_mempool_free(_pool);

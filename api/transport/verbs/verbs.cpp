@@ -247,7 +247,12 @@ Status VerbsTransport::choose_gid(const VerbsConfig& cfg) {
     const bool ll = e.gid.raw[0] == 0xfe && (e.gid.raw[1] & 0xc0) == 0x80;
     const bool v2 = e.gid_type == IBV_GID_TYPE_ROCE_V2;
     int score = v2 && v4 ? 0 : v2 && !ll ? 1 : v2 ? 2 : 3;
-    table += " " + std::to_string(i) + "=" + (v2 ? "v2:" : "v1:") + gid_text(e.gid);
+    // (Appended piece by piece: GCC 12's -Wrestrict misfires on a chain of
+    // std::string operator+ in release builds.)
+    table += ' ';
+    table += std::to_string(i);
+    table += v2 ? "=v2:" : "=v1:";
+    table += gid_text(e.gid);
     bool pick = false;
     if (!cfg.gid.empty()) {
       if (cfg.gid.find_first_not_of("0123456789") == std::string::npos) {
