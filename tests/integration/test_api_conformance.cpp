@@ -5,7 +5,9 @@
 // uplinks joined), rank r on node r % 2 (HCOMM_HOST_ID), so every peer on
 // the other node is served by the NPU's RoCE engine (npu_roce, asserted),
 // with faults injected on both nodes' wires (HCOMM_TEST_ROCE_FAULTS, default
-// 10% drop, 5% duplication, 10% reordering, 1% corruption).
+// 5% drop, 3% duplication, 5% reordering, 1% corruption: every recovery path
+// runs in every case; the engine's own tests, test_roce_rc.cpp and
+// test_npu_roce.cpp, take 10% drop and reordering).
 //
 // HCOMM_TEST_DEVICES="A,B[,...]" runs the NPU cases on existing devices
 // (rank r on the r-th; the qemu suite's guest passes its vfio-pci functions)
@@ -44,6 +46,7 @@ test::SimProcess* g_node[2] = {nullptr, nullptr};  // the two-node cases' simula
 unsigned long long g_icrc_base = 0;                 // their ports' ICRC drops when the current case started
 unsigned long long g_lost_base = 0;                 // and their uplinks' lost frames
 unsigned long long g_resent_base = 0, g_timeouts_base = 0;  // and their ports' resent packets and ACK timeouts
+unsigned long long g_tx_base = 0;                   // and the frames their ports sent
 std::string g_devices;  // HCOMM_TEST_DEVICES
 
 int device_count(const std::string& list) {
@@ -84,7 +87,7 @@ class Api : public ::testing::TestWithParam<Param> {
         ASSERT_EQ(test::start_two_nodes(*g_node[0], *g_node[1], {"--devices", "2", "--hbm", "128M"}), "");
       }
       const char* f = std::getenv("HCOMM_TEST_ROCE_FAULTS");
-      const std::string faults = f != nullptr ? f : "drop=10 dup=5 reorder=10 corrupt=1";
+      const std::string faults = f != nullptr ? f : "drop=5 dup=3 reorder=5 corrupt=1";
       for (int i = 0; i < 2; ++i) {
         ASSERT_TRUE(g_node[i]->alive());
         for (int d = 0; d < 2; ++d) ASSERT_EQ(g_node[i]->control("clear " + std::to_string(d)), "ok");
@@ -98,6 +101,7 @@ class Api : public ::testing::TestWithParam<Param> {
       g_lost_base = wire().lost;
       g_resent_base = net_counter("retransmits_total");
       g_timeouts_base = net_counter("timeouts_total");
+      g_tx_base = net_counter("tx");
       ASSERT_NE(g_lost_base, ~0ull) << "net stats unreadable";
       return;
     }
@@ -163,8 +167,12 @@ class Api : public ::testing::TestWithParam<Param> {
     EXPECT_LE(bad_icrc, w.corrupted) << "more ICRC drops than frames corrupted";
     EXPECT_GE(bad_icrc + lost, w.corrupted) << "corrupted frames neither dropped by an ICRC check nor lost on the link ("
                                             << lost << " frames lost whole)";
-    if (std::getenv("HCOMM_TEST_ROCE_FAULTS") == nullptr) {
-      EXPECT_GT(w.dropped, 0u) << "the default faults dropped nothing";
+    // The faults are on: with 5% drop, a case whose ports sent 400 frames
+    // or more has dropped some (all but with probability 0.95^400 ~ 1e-9);
+    // a shorter case may well drop nothing.
+    const unsigned long long frames = net_counter("tx") - g_tx_base;
+    if (std::getenv("HCOMM_TEST_ROCE_FAULTS") == nullptr && frames >= 400) {
+      EXPECT_GT(w.dropped, 0u) << "the default faults dropped none of " << frames << " frames";
     }
     std::fprintf(stderr,
                  "wire: %llu dropped, %llu corrupted (%llu ICRC drops), %llu lost on the uplinks; %llu packets resent, "
@@ -179,7 +187,7 @@ class Api : public ::testing::TestWithParam<Param> {
     if (npu() && !g_devices.empty()) env.emplace_back("HCOMM_DEVICE", g_devices);
     if (nodes()) {
       env.emplace_back("HCOMM_SOCKET_ADDR", "127.0.0.1");  // the TCP mesh between the "hosts"
-      // Go-back-N on a wire that drops one packet in ten moves a few MB/s:
+      // Go-back-N on a wire that drops one packet in twenty moves a few MB/s:
       // transfers up to 1 MiB there (the loss-free rate: docs/performance.md).
       const char* f = std::getenv("HCOMM_TEST_ROCE_FAULTS");
       if ((f == nullptr || *f != '\0') && std::getenv("HCOMM_TEST_MAX_BYTES") == nullptr)
@@ -325,7 +333,11 @@ TEST_P(Api, TagsMasksAnySourceProbeAndUnexpectedOrder) {
       RCHECK_OK(hcomm_barrier(ctx, T));
       int found = 0;
       hcomm_recv_info_t info;
-      for (int tries = 0; tries < 10000 && !found; ++tries)
+      // The barrier does not wait for messages still on their way (over a
+      // lossy RoCE wire an eager message may wait out a retransmission
+      // after the barrier): probe until one is there, within T.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(T);
+      while (!found && std::chrono::steady_clock::now() < until)
         RCHECK_OK(hcomm_probe(ctx, HCOMM_ANY_SOURCE, 0, 0, &found, &info));
       RCHECK(found == 1 && info.length == 16);
       RCHECK_OK(hcomm_probe(ctx, 1, uint64_t{0xcd} << 56, uint64_t{0xff} << 56, &found, &info));
