@@ -668,7 +668,14 @@ void Context::progress() {
 // Callers hold _mu. Three phases, by time waited (the clock is read every
 // 64 rounds, not every round): spin on progress for 50 us (microsecond
 // latencies), then yield the CPU between rounds up to 2 ms (on a busy
-// machine the peer needs our core), then nap 50 us with the lock released.
+// machine the peer needs our core), then nap with the lock released, for
+// 1/16 of the time waited so far (50 us to 1 ms). A wait that has gone on
+// for long (a retransmission timeout, a slow peer, a consumer waiting for a
+// producer's next step) then stops waking tens of thousands of times a
+// second: on two vCPUs, four ranks waiting with 50 us naps took the CPU
+// from the simulators whose work they were waiting for (the RoCE cases
+// under ASan timed out on their own retransmissions). What the wait waits
+// for is seen at most 1/16 of the wait, or 1 ms, after it happened.
 // Over a software RDMA device the yield phase is skipped (see below).
 bool Context::spin_wait(const std::function<bool()>& done, bool progress_each_round, const Deadline& dl) {
   if (done()) return true;
@@ -691,8 +698,12 @@ bool Context::spin_wait(const std::function<bool()>& done, bool progress_each_ro
     _mu.unlock();
     // A software RDMA device (rxe, siw) does the NIC's work in kernel threads
     // on these CPUs, and sched_yield does not hand them the CPU: nap at once.
-    if (waited < std::chrono::milliseconds(2) && !_nap_early) sched_yield();
-    else std::this_thread::sleep_for(std::chrono::microseconds(50));
+    if (waited < std::chrono::milliseconds(2) && !_nap_early) {
+      sched_yield();
+    } else {
+      std::this_thread::sleep_for(std::clamp<Clock::duration>(waited / 16, std::chrono::microseconds(50),
+                                                              std::chrono::milliseconds(1)));
+    }
     _mu.lock();
   }
 }
