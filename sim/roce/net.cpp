@@ -169,10 +169,7 @@ void NetPort::make_engine() {
 void NetPort::reset() {
   std::lock_guard lk(_mu);
   for (auto& s : _slots) s.reset();
-  const Counters c = _eng->counters();
-  _before.bad_icrc += c.rx_bad_icrc;
-  _before.retransmits += c.retransmits;
-  _before.timeouts += c.timeouts;
+  _before = with(_before, _eng->counters());
   _addr.ip = _default_ip;
   make_engine();
   std::memset(_arg, 0, sizeof _arg);
@@ -200,8 +197,11 @@ Counters NetPort::counters() const {
 
 NetPort::Totals NetPort::totals() const {
   std::lock_guard lk(_mu);
-  const Counters c = _eng->counters();
-  return Totals{_before.bad_icrc + c.rx_bad_icrc, _before.retransmits + c.retransmits, _before.timeouts + c.timeouts};
+  return with(_before, _eng->counters());
+}
+
+NetPort::Totals NetPort::with(const Totals& t, const Counters& c) {
+  return Totals{t.bad_icrc + c.rx_bad_icrc, t.retransmits + c.retransmits, t.timeouts + c.timeouts};
 }
 
 std::string NetPort::describe() const {

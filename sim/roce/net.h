@@ -133,6 +133,7 @@ class NetPort {
   std::unique_ptr<MrTable> _mrs;
   std::unique_ptr<Engine> _eng;
   Totals _before;  // the engines' before this one (resets)
+  static Totals with(const Totals& t, const Counters& c);  // t plus one engine's counters
   std::vector<std::unique_ptr<Slot>> _slots;
   uint8_t _arg[hal::abi::reg::kNetCmdArgSize] = {};
   uint32_t _cmd_status = 0, _cmd_result = 0;

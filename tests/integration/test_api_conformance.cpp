@@ -96,12 +96,13 @@ class Api : public ::testing::TestWithParam<Param> {
           ASSERT_EQ(g_node[i]->control("net faults " + faults + " seed=" + std::to_string(7 + i)), "ok");
         }
       }
-      g_icrc_base = icrc_drops();
+      const std::vector<std::string> info = net_info();
+      g_icrc_base = net_counter(info, "bad_icrc_total");
       ASSERT_NE(g_icrc_base, ~0ull) << "net info has no bad_icrc_total";
       g_lost_base = wire().lost;
-      g_resent_base = net_counter("retransmits_total");
-      g_timeouts_base = net_counter("timeouts_total");
-      g_tx_base = net_counter("tx");
+      g_resent_base = net_counter(info, "retransmits_total");
+      g_timeouts_base = net_counter(info, "timeouts_total");
+      g_tx_base = net_counter(info, "tx");
       ASSERT_NE(g_lost_base, ~0ull) << "net stats unreadable";
       return;
     }
@@ -121,17 +122,22 @@ class Api : public ::testing::TestWithParam<Param> {
   // overflowed: `uplink_lost`, the kernel's count); some may still be on
   // their way when the ranks are done (waited for, bounded). And the faults
   // were really there.
-  static unsigned long long icrc_drops() { return net_counter("bad_icrc_total"); }
-  // A counter of `net info`, summed over the four ports (~0: unreadable).
-  static unsigned long long net_counter(const std::string& name) {
-    unsigned long long n = 0;
+  static unsigned long long icrc_drops() { return net_counter(net_info(), "bad_icrc_total"); }
+  // `net info` of the four ports, asked once for the counters read from it.
+  static std::vector<std::string> net_info() {
+    std::vector<std::string> info;
     for (auto* s : g_node)
-      for (int dev = 0; dev < 2; ++dev) {
-        const std::string info = s->control("net info " + std::to_string(dev));
-        const size_t at = info.find(" " + name + "=");
-        if (at == std::string::npos) return ~0ull;
-        n += std::strtoull(info.c_str() + at + name.size() + 2, nullptr, 10);
-      }
+      for (int dev = 0; dev < 2; ++dev) info.push_back(s->control("net info " + std::to_string(dev)));
+    return info;
+  }
+  // A counter of `net info`, summed over the four ports (~0: unreadable).
+  static unsigned long long net_counter(const std::vector<std::string>& info, const std::string& name) {
+    unsigned long long n = 0;
+    for (const std::string& i : info) {
+      const size_t at = i.find(" " + name + "=");
+      if (at == std::string::npos) return ~0ull;
+      n += std::strtoull(i.c_str() + at + name.size() + 2, nullptr, 10);
+    }
     return n;
   }
   struct Wire {
@@ -170,15 +176,16 @@ class Api : public ::testing::TestWithParam<Param> {
     // The faults are on: with 5% drop, a case whose ports sent 400 frames
     // or more has dropped some (all but with probability 0.95^400 ~ 1e-9);
     // a shorter case may well drop nothing.
-    const unsigned long long frames = net_counter("tx") - g_tx_base;
+    const std::vector<std::string> info = net_info();
+    const unsigned long long frames = net_counter(info, "tx") - g_tx_base;
     if (std::getenv("HCOMM_TEST_ROCE_FAULTS") == nullptr && frames >= 400) {
       EXPECT_GT(w.dropped, 0u) << "the default faults dropped none of " << frames << " frames";
     }
     std::fprintf(stderr,
                  "wire: %llu dropped, %llu corrupted (%llu ICRC drops), %llu lost on the uplinks; %llu packets resent, "
                  "%llu local ACK timeouts\n",
-                 w.dropped, w.corrupted, bad_icrc, lost, net_counter("retransmits_total") - g_resent_base,
-                 net_counter("timeouts_total") - g_timeouts_base);
+                 w.dropped, w.corrupted, bad_icrc, lost, net_counter(info, "retransmits_total") - g_resent_base,
+                 net_counter(info, "timeouts_total") - g_timeouts_base);
   }
   void run(const std::function<void(hcomm_context_t*, int, int)>& body, int timeout_s = 120,
            std::vector<int> killed_ok = {}) {
