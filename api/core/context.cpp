@@ -206,6 +206,12 @@ Status Context::init(const hcomm_config_t& cfg) {
 // transport that cannot open or cannot serve a peer fails init, never
 // silently replaced.
 Status Context::open_transports(const hcomm_config_t& cfg, const LaunchInfo& li, const Deadline& dl) {
+  if (const char* e = std::getenv("HCOMM_RNDV"); e != nullptr && *e != '\0') {
+    const std::string v = e;
+    if (v == "get") _rndv_write = false;
+    else if (v != "auto")
+      return Status::error(Code::invalid_argument, "HCOMM_RNDV='%s': use auto or get", e);
+  }
   std::vector<std::string> forced;
   std::string list = cfg.transports != nullptr ? cfg.transports : "";
   const char* list_src = "hcomm_config_t.transports";
@@ -625,6 +631,8 @@ void Context::peer_failed(Peer& p, const std::string& why) {
   p.queued = false;
   for (Pull& u : _pulls)
     if (u.source == p.rank) u.read->complete(HCOMM_ERR_PEER_FAILURE, p.why_dead);
+  for (Push& u : _pushes)
+    if (u.dest == p.rank) u.write->complete(HCOMM_ERR_PEER_FAILURE, p.why_dead);
   // A claim on its word is lost with it (the RTS is dropped).
   for (Claim& c : _claims)
     if (c.source == p.rank) c.op->complete(HCOMM_ERR_PEER_FAILURE, p.why_dead);
@@ -654,6 +662,7 @@ void Context::progress() {
   for (auto& t : _transports) t->progress();
   if (!_claims.empty()) finish_claims();
   if (!_pulls.empty()) finish_pulls();
+  if (!_pushes.empty()) finish_pushes();
   for (Peer& p : _peers) {
     if (p.rank == _rank || !p.alive) continue;
     if (p.backlog.empty()) continue;

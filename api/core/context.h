@@ -328,6 +328,8 @@ class Context final : public AmSink {
   void cancel_stuck(Request& r, const char* what);
   void pull(const std::shared_ptr<Request>& r, int source, const MsgHdr& h);
   void finish_pulls();
+  void on_cts(Peer& p, const MsgHdr& h);
+  void finish_pushes();
   void send_done(Request& r, hcomm_status_t st, const std::string& why);
   // Control messages (FIN, RETRACT) go out now or wait in _ctl_backlog;
   // they may overtake queued sends.
@@ -382,12 +384,25 @@ class Context final : public AmSink {
   std::chrono::milliseconds _cancel_bound{1000};
   // Rendezvous reads in flight: the receive completes, and the FIN goes out,
   // when the read does.
+  // By write (Caps::rndv_write): `read` completes at the sender's WDONE and
+  // no FIN goes back.
   struct Pull {
     std::shared_ptr<Request> recv, read;
     int source;
     uint64_t sreq, total;
+    bool by_write = false;  // a CTS went out: the sender writes
   };
   std::list<Pull> _pulls;
+  // Rendezvous sends the receiver asked to write (CTS): the send completes,
+  // and WDONE goes out, when the write does.
+  struct Push {
+    std::shared_ptr<Request> send, write;
+    int dest;
+  };
+  std::list<Push> _pushes;
+  // HCOMM_RNDV: rendezvous by the sender's write where the messaging lane can
+  // (Caps::rndv_write; default), or always by the receiver's read ("get").
+  bool _rndv_write = true;
   std::map<uint64_t, hcomm_rkey*> _rndv_keys;                    // (peer << 32 | slot) -> cached import
   Clock::time_point _last_check{};
   std::chrono::milliseconds _peer_check{1};

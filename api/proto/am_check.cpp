@@ -13,7 +13,7 @@ bool fail(std::string* why, std::string text) {
 
 bool am_header_ok(const MsgHdr& h, size_t body_len, size_t eager_max, std::string* why) {
   const bool carrier_len = body_len != kBodyInHeader;
-  if (h.type < static_cast<uint32_t>(MsgType::eager) || h.type > static_cast<uint32_t>(MsgType::retract))
+  if (h.type < static_cast<uint32_t>(MsgType::eager) || h.type > kLastMsgType)
     return fail(why, "type " + std::to_string(h.type));
   if (h.type != static_cast<uint32_t>(MsgType::eager)) {
     if (carrier_len && body_len != 0)

@@ -4,11 +4,19 @@
 //  - eager (payload <= the lane's max_short): header and payload in one
 //    active message; the send completes when the lane took it.
 //  - rendezvous: an RTS names the sender's buffer (and its registration when
-//    it is shareable hcomm memory); once a receive matches, the receiver
-//    moves the payload once, straight into the receive buffer, with the best
-//    RMA lane that reaches the sender's memory (a read through the key, else
-//    a raw read of the sender's address space), then answers FIN; the send
-//    completes at FIN.
+//    it is shareable hcomm memory); once a receive matches (and won the
+//    sender's claim word), the payload moves once, straight into the receive
+//    buffer, one of two ways:
+//     * by read: the receiver reads it with the best RMA lane that reaches
+//       the sender's memory (a read through the key, else a raw read of the
+//       sender's address space), then answers FIN; the send completes at FIN.
+//     * by write, where the messaging lane can (Caps::rndv_write: verbs,
+//       npu_roce; HCOMM_RNDV=get turns it off): the receiver exposes its
+//       buffer and answers CTS naming it; the sender writes the payload
+//       there and, once the write is acknowledged (placed), completes and
+//       sends WDONE; the receive completes at WDONE. On RDMA a READ is the
+//       slow direction (rxe: 4-6x slower than a WRITE here; NICs bound
+//       outstanding READs by max_rd_atomic), so send/recv runs at put's speed.
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -116,6 +124,19 @@ void Context::on_am(int peer, const MsgHdr& h, const uint8_t* payload) {
               st == HCOMM_OK ? "" : "receiver could not pull the payload: " + std::string(hcomm_strerror(st)));
     _pending_sends.erase(it);
     return;
+  }
+  if (h.type == static_cast<uint32_t>(MsgType::cts)) return on_cts(p, h);
+  if (h.type == static_cast<uint32_t>(MsgType::wdone)) {
+    for (Pull& u : _pulls) {
+      if (u.source == peer && u.sreq == h.sreq && u.by_write && !u.read->done()) {
+        const auto st = static_cast<hcomm_status_t>(h.status);
+        u.read->complete(st == HCOMM_OK ? HCOMM_OK : HCOMM_ERR_PEER_FAILURE,
+                         st == HCOMM_OK ? "" : "the sender could not write the payload: " + std::string(hcomm_strerror(st)));
+        finish_pulls();
+        return;
+      }
+    }
+    return peer_failed(p, "WDONE for message " + std::to_string(h.sreq) + ", which it was not asked to write");
   }
   if (h.type == static_cast<uint32_t>(MsgType::retract)) {
     // The sender won its claim word back: drop its RTS if it still waits
@@ -325,6 +346,23 @@ void Context::pull(const std::shared_ptr<Request>& rp, int source, const MsgHdr&
   g->id = next_id();
   bool started = n == 0;
   if (n == 0) g->complete(HCOMM_OK);
+  if (!started && _rndv_write && p.am->caps().rndv_write) {
+    // By write: name our buffer in a CTS; the sender's WDONE completes g.
+    MsgHdr c{};
+    c.type = static_cast<uint32_t>(MsgType::cts);
+    c.sreq = h.sreq;
+    c.total = n;
+    Status es = p.am->expose_recv(source, r, n, &c.addr, &c.rkey);
+    if (es) {
+      r.exposed_by = p.am;
+      post_ctl(source, c);
+      _pulls.push_back({rp, g, source, h.sreq, h.total, true});
+      return;
+    }
+    // Not exposable: fail it; the sender learns it from an error FIN.
+    g->complete(es.code() == Code::peer_failure ? HCOMM_ERR_PEER_FAILURE : to_hcomm(es.code()), es.message());
+    started = true;
+  }
   if (!started && h.src_slot != kNoSlot) {
     // The sender's buffer is registered shareable memory: read it through
     // its key's lane.
@@ -373,20 +411,72 @@ void Context::finish_pulls() {
     hcomm_status_t st = it->read->status;
     std::string why;
     if (st != HCOMM_OK) {
-      if (st != HCOMM_ERR_PEER_FAILURE && st != HCOMM_ERR_DEVICE) st = HCOMM_ERR_PROTOCOL;
-      why = "rendezvous pull from rank " + std::to_string(it->source) + ": " + it->read->error;
+      if (st != HCOMM_ERR_PEER_FAILURE && st != HCOMM_ERR_DEVICE && st != HCOMM_ERR_NO_RESOURCE) st = HCOMM_ERR_PROTOCOL;
+      why = std::string(it->by_write ? "rendezvous write" : "rendezvous pull") + " from rank " +
+            std::to_string(it->source) + ": " + it->read->error;
     }
-    MsgHdr f{};
-    f.type = static_cast<uint32_t>(MsgType::fin);
-    f.sreq = it->sreq;
-    f.status = static_cast<uint32_t>(st);
-    post_ctl(it->source, f);
+    if (it->by_write) {
+      // The sender completed at its write; nothing goes back. (A failure
+      // here is its peer's failure, or its error WDONE.)
+      if (r.exposed_by != nullptr) r.exposed_by->unexpose_recv(r, st == HCOMM_OK);
+      r.exposed_by = nullptr;
+    } else {
+      MsgHdr f{};
+      f.type = static_cast<uint32_t>(MsgType::fin);
+      f.sreq = it->sreq;
+      f.status = static_cast<uint32_t>(st);
+      post_ctl(it->source, f);
+    }
     if (st == HCOMM_OK && it->total > r.rlen) {
       st = HCOMM_ERR_TRUNCATED;
       why = "message of " + std::to_string(it->total) + " bytes, buffer of " + std::to_string(r.rlen);
     }
     r.complete(st, why);
     it = _pulls.erase(it);
+  }
+}
+
+// Rendezvous by write, sender side: the receiver won the claim and names
+// its buffer. Write the payload (at most what we sent) there.
+void Context::on_cts(Peer& p, const MsgHdr& h) {
+  auto it = _pending_sends.find(h.sreq);
+  if (it == _pending_sends.end() || it->second->peer != p.rank)
+    return peer_failed(p, "CTS for message " + std::to_string(h.sreq) + ", which is not a send waiting for it");
+  const std::shared_ptr<Request>& s = it->second;
+  for (const Push& u : _pushes)
+    if (u.send == s) return peer_failed(p, "a second CTS for message " + std::to_string(h.sreq));
+  if (h.total == 0 || h.total > s->slen)
+    return peer_failed(p, "CTS asks for " + std::to_string(h.total) + " bytes of a message of " +
+                              std::to_string(s->slen));
+  auto g = new_request();
+  g->peer = p.rank;
+  g->id = next_id();
+  Status st = p.am->write_raw(p.rank, *s, h.total, h.addr, h.rkey, g);
+  if (!st)
+    g->complete(st.code() == Code::peer_failure ? HCOMM_ERR_PEER_FAILURE : to_hcomm(st.code()), st.message());
+  _pushes.push_back({s, g, p.rank});
+  finish_pushes();
+}
+
+void Context::finish_pushes() {
+  for (auto it = _pushes.begin(); it != _pushes.end();) {
+    if (!it->write->done()) {
+      ++it;
+      continue;
+    }
+    Request& s = *it->send;
+    const hcomm_status_t st = it->write->status;
+    if (!s.done()) {  // (a peer failure completed it already)
+      MsgHdr d{};
+      d.type = static_cast<uint32_t>(MsgType::wdone);
+      d.sreq = s.id;
+      d.status = static_cast<uint32_t>(st);
+      post_ctl(it->dest, d);
+      _pending_sends.erase(s.id);
+      send_done(s, st == HCOMM_OK ? HCOMM_OK : st == HCOMM_ERR_DEVICE ? st : HCOMM_ERR_PEER_FAILURE,
+                st == HCOMM_OK ? "" : "writing to the receiver: " + it->write->error);
+    }
+    it = _pushes.erase(it);
   }
 }
 

@@ -54,10 +54,17 @@ struct Caps {
   // am_send may be called on several threads at once without the context
   // lock (it serialises each peer's stream itself): the eager fast path.
   bool am_concurrent = false;
+  // Rendezvous by the sender's write: expose_recv / write_raw below (a
+  // receiver sends CTS naming its buffer; the sender writes the payload).
+  bool rndv_write = false;
 };
 
 // ---- active messages: the protocol's headers (64 bytes, then payload) ----
-enum class MsgType : uint32_t { eager = 1, rts = 2, fin = 3, retract = 4 };
+// cts (receiver -> sender, rendezvous by write): addr/rkey name the receive
+// buffer, total the bytes to write; wdone (sender -> receiver): they are
+// written (status: the write's hcomm_status_t).
+enum class MsgType : uint32_t { eager = 1, rts = 2, fin = 3, retract = 4, cts = 5, wdone = 6 };
+inline constexpr uint32_t kLastMsgType = static_cast<uint32_t>(MsgType::wdone);
 inline constexpr uint32_t kNoSlot = 0xffffffffu;
 
 struct MsgHdr {
@@ -65,13 +72,14 @@ struct MsgHdr {
   uint32_t len;      // payload bytes carried with this header (eager)
   uint64_t tag;
   uint64_t total;    // message length
-  uint64_t sreq;     // sender's request id (rts/fin)
-  uint64_t addr;     // rts: sender's buffer address
+  uint64_t sreq;     // sender's request id (rts/fin/retract/cts/wdone)
+  uint64_t addr;     // rts: sender's buffer address; cts: receiver's buffer address
   uint32_t src_slot; // rts: registration of the sender's buffer (kNoSlot if none)
   uint32_t src_gen;
   uint64_t src_off;  // rts: offset of the buffer in that registration
-  uint32_t status;   // fin: hcomm_status_t of the receiver's pull; rts: the sender's claim word (kNoSlot: none)
-  uint32_t rkey;     // rts: the key of the sender's buffer on a lane that needs one (verbs)
+  uint32_t status;   // fin: hcomm_status_t of the receiver's pull; wdone: of the sender's write;
+                     // rts: the sender's claim word (kNoSlot: none)
+  uint32_t rkey;     // rts / cts: the key of the sender's / receiver's buffer on a lane that needs one
 };
 static_assert(sizeof(MsgHdr) == 64);
 
@@ -160,6 +168,22 @@ class Transport {
   virtual Status read_raw(int /*peer*/, void* /*local*/, uint64_t /*addr*/, uint32_t /*rkey*/, size_t /*len*/,
                           const std::shared_ptr<Request>& /*g*/) {
     return Status::error(Code::unsupported, "%s cannot read a peer's unregistered memory", name());
+  }
+
+  // Rendezvous by write (caps().rndv_write), receiver side: make [r.rbuf,
+  // r.rbuf+len) writable by `peer` (fills *addr and *rkey for the CTS; may
+  // stage it); the request's exposed / exposed_by hold what it took.
+  // unexpose_recv releases it once the sender's WDONE came (arrived: the
+  // bytes are in, copy staged ones out) or the transfer failed.
+  virtual Status expose_recv(int /*peer*/, Request& /*r*/, size_t /*len*/, uint64_t* /*addr*/, uint32_t* /*rkey*/) {
+    return Status::error(Code::unsupported, "%s cannot expose a receive buffer", name());
+  }
+  virtual void unexpose_recv(Request& /*r*/, bool /*arrived*/) {}
+  // Sender side: write the first len bytes of the exposed send `s` to the
+  // receiver's [addr, addr+len), completing g once they are placed there.
+  virtual Status write_raw(int /*peer*/, const Request& /*s*/, size_t /*len*/, uint64_t /*addr*/, uint32_t /*rkey*/,
+                           const std::shared_ptr<Request>& /*g*/) {
+    return Status::error(Code::unsupported, "%s cannot write a peer's receive buffer", name());
   }
 
   // Completions and inbound messages.

@@ -27,9 +27,9 @@ namespace {
 // sequence line, header + 3968 bytes); 0 and 100 probe the bound.
 constexpr size_t kSlot = 4096;
 constexpr size_t kEagerMaxes[] = {kSlot - sizeof(MsgHdr), kSlot - 64 - sizeof(MsgHdr), 100, 0};
-// The message types the protocol knows (eager, RTS, FIN, RETRACT).
+// The message types the protocol knows (eager, RTS, FIN, RETRACT, CTS, WDONE).
 constexpr uint32_t kFirstType = static_cast<uint32_t>(MsgType::eager);
-constexpr uint32_t kLastType = static_cast<uint32_t>(MsgType::retract);
+constexpr uint32_t kLastType = hcomm::api::kLastMsgType;
 
 uint64_t sink_sum;  // keeps the payload reads from being optimized away
 
@@ -64,6 +64,9 @@ std::vector<std::string> fuzz_seeds() {
       msg(MsgType::fin, 0, 0, 0),
       msg(MsgType::fin, 0, 0, 3),
       msg(MsgType::retract, 0, 0, 0),
+      msg(MsgType::cts, 0, 1 << 20, 0),
+      msg(MsgType::wdone, 0, 0, 0),
+      msg(MsgType::wdone, 0, 0, 8),
   };
 }
 

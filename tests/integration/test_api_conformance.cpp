@@ -36,9 +36,19 @@ struct Param {
   const char* engine;
   int ranks;
   bool nodes = false;  // two simulators as two nodes (npu_roce between them)
+  // HCOMM_RNDV=get: rendezvous by the receiver's read on a lane that would
+  // write (npu_roce); only the two-sided cases run.
+  bool rndv_get = false;
 };
 std::string param_name(const ::testing::TestParamInfo<Param>& i) {
-  return std::string(i.param.engine) + (i.param.nodes ? "_roce" : "") + "_" + std::to_string(i.param.ranks) + "ranks";
+  return std::string(i.param.engine) + (i.param.nodes ? "_roce" : "") + "_" + std::to_string(i.param.ranks) + "ranks" +
+         (i.param.rndv_get ? "_rndvget" : "");
+}
+// The cases whose rendezvous sends take one of the two ways.
+bool two_sided_case(const std::string& name) {
+  for (const char* c : {"SendRecv", "Tags", "Truncation", "Nonblocking", "TimedOutBlocking", "Cancel", "Killed"})
+    if (name.rfind(c, 0) == 0) return true;
+  return false;
 }
 
 test::SimProcess* g_sim = nullptr;
@@ -79,6 +89,8 @@ class Api : public ::testing::TestWithParam<Param> {
   bool npu() const { return std::string(GetParam().engine) == "npu"; }
   bool nodes() const { return GetParam().nodes; }
   void SetUp() override {
+    if (GetParam().rndv_get && !two_sided_case(::testing::UnitTest::GetInstance()->current_test_info()->name()))
+      GTEST_SKIP() << "HCOMM_RNDV=get: two-sided cases only";
     if (nodes()) {
       if (!g_devices.empty()) GTEST_SKIP() << "two simulated nodes; HCOMM_TEST_DEVICES names real devices";
       if (g_node[0] == nullptr) {
@@ -192,6 +204,7 @@ class Api : public ::testing::TestWithParam<Param> {
     std::vector<std::pair<std::string, std::string>> env = {{"HCOMM_ENGINE", GetParam().engine}};
     if (g_sim != nullptr && !nodes()) env.emplace_back("HCOMM_SIM_DIR", g_sim->dir());
     if (npu() && !g_devices.empty()) env.emplace_back("HCOMM_DEVICE", g_devices);
+    if (GetParam().rndv_get) env.emplace_back("HCOMM_RNDV", "get");
     if (nodes()) {
       env.emplace_back("HCOMM_SOCKET_ADDR", "127.0.0.1");  // the TCP mesh between the "hosts"
       // Go-back-N on a wire that drops one packet in twenty moves a few MB/s:
@@ -311,17 +324,23 @@ TEST_P(Api, SendRecvFromRegisteredMemoryMovesThroughTheEngine) {
   run([](hcomm_context_t* ctx, int me, int n) {
     const int right = (me + 1) % n, left = (me + n - 1) % n;
     const size_t s = std::min<size_t>(8u << 20, max_bytes());
-    hcomm_mem_t *sm, *rm;
-    RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &sm));
-    RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &rm));
-    auto* sp = static_cast<uint8_t*>(hcomm_mem_ptr(sm));
-    auto* rp = static_cast<uint8_t*>(hcomm_mem_ptr(rm));
-    for (size_t i = 0; i < s; ++i) sp[i] = pattern(me, s, i);
-    RCHECK_OK(hcomm_sendrecv(ctx, right, sp, s, 1, left, rp, s, 1, HCOMM_TAG_MASK_ALL, nullptr, T));
-    for (size_t i = 0; i < s; ++i) RCHECK(rp[i] == pattern(left, s, i)) << "byte " << i;
-    RCHECK_OK(hcomm_barrier(ctx, T));
-    RCHECK_OK(hcomm_mem_release(sm));
-    RCHECK_OK(hcomm_mem_release(rm));
+    // Memory peers may read and write, and memory they may not (local use
+    // only): a rendezvous must not hand a peer a key without the right it
+    // needs (over RDMA that access would be NAKed and break the pair).
+    for (unsigned access : {unsigned{HCOMM_ACCESS_ALL}, 0u}) {
+      hcomm_mem_t *sm, *rm;
+      RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, access, &sm));
+      RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, access, &rm));
+      auto* sp = static_cast<uint8_t*>(hcomm_mem_ptr(sm));
+      auto* rp = static_cast<uint8_t*>(hcomm_mem_ptr(rm));
+      for (size_t i = 0; i < s; ++i) sp[i] = pattern(me + static_cast<int>(access), s, i);
+      RCHECK_OK(hcomm_sendrecv(ctx, right, sp, s, 1, left, rp, s, 1, HCOMM_TAG_MASK_ALL, nullptr, T));
+      for (size_t i = 0; i < s; ++i)
+        RCHECK(rp[i] == pattern(left + static_cast<int>(access), s, i)) << "byte " << i << ", access " << access;
+      RCHECK_OK(hcomm_barrier(ctx, T));
+      RCHECK_OK(hcomm_mem_release(sm));
+      RCHECK_OK(hcomm_mem_release(rm));
+    }
   });
 }
 
@@ -1345,7 +1364,8 @@ TEST_P(Api, ClaimAnsweredWithAnotherWordsValueIsAskedAgain) {
 
 INSTANTIATE_TEST_SUITE_P(Engines, Api,
                          ::testing::Values(Param{"host", 2}, Param{"host", 4}, Param{"npu", 2}, Param{"npu", 4},
-                                           Param{"npu", 2, true}, Param{"npu", 4, true}),
+                                           Param{"npu", 2, true}, Param{"npu", 4, true},
+                                           Param{"npu", 2, true, true}),
                          param_name);
 
 }  // namespace

@@ -69,6 +69,7 @@ Status NpuRoceTransport::open(Context& ctx, AmSink& sink, hal::npu::Device& dev,
 
 Status NpuRoceTransport::region(size_t len, uint8_t access, Region* out, const char* what) {
   const size_t bytes = (len + 4095) & ~size_t{4095};
+  out->len = len;
   Status st = driver::DmaBuffer::allocate(bytes, -1, &out->buf);
   if (st) st = _dev.map_buffer(out->buf, hal::npu::access::RW, &out->map);
   if (st) st = _dev.mr_register(out->map.iova, len, access, &out->key);
@@ -121,6 +122,7 @@ Status NpuRoceTransport::setup(const NpuRoceConfig& cfg, const std::vector<bool>
   _caps.put = _caps.get = _caps.atomic64 = _caps.reduce = _caps.notify = true;
   _caps.remote_hosts = true;
   _caps.sync = false;
+  _caps.rndv_write = true;
   return Status::ok();
 }
 
@@ -682,6 +684,54 @@ void NpuRoceTransport::unexpose(Request& r) {
     delete s;
   }
   r.exposed = nullptr;
+}
+
+// Rendezvous by write, receiver side: registered memory peers may write is
+// written in place; any other buffer gets a DMA buffer of this message that
+// the sender writes and that is copied out at WDONE.
+Status NpuRoceTransport::expose_recv(int peer, Request& r, size_t len, uint64_t* addr, uint32_t* rkey) {
+  if (!_peers[static_cast<size_t>(peer)].up)
+    return Status::error(Code::peer_failure, "npu_roce: no queue pair to rank %d", peer);
+  const hcomm_mem* m = _ctx.find_local(r.rbuf, len);
+  if (m != nullptr && m->roce_key != 0 && (m->access & HCOMM_ACCESS_REMOTE_WRITE) != 0) {
+    *rkey = m->roce_key;
+    *addr = m->npu.iova + static_cast<uint64_t>(r.rbuf - m->ptr);
+    return Status::ok();
+  }
+  auto* s = new Region;
+  Status st = region(len, rdma::access::LOCAL_WRITE | rdma::access::REMOTE_WRITE, s, "staging a receive buffer");
+  if (!st) {
+    drop_region(*s);
+    delete s;
+    return st;
+  }
+  *rkey = s->key;
+  *addr = s->map.iova;
+  r.exposed = s;
+  return Status::ok();
+}
+
+void NpuRoceTransport::unexpose_recv(Request& r, bool arrived) {
+  auto* s = static_cast<Region*>(r.exposed);
+  if (s == nullptr) return;
+  if (arrived) std::memcpy(r.rbuf, s->data(), std::min(s->len, r.rlen));
+  drop_region(*s);
+  delete s;
+  r.exposed = nullptr;
+}
+
+Status NpuRoceTransport::write_raw(int peer, const Request& s, size_t len, uint64_t addr, uint32_t rkey,
+                                   const std::shared_ptr<Request>& g) {
+  if (!_peers[static_cast<size_t>(peer)].up)
+    return Status::error(Code::peer_failure, "npu_roce: no queue pair to rank %d", peer);
+  // expose() made the send buffer reachable: staged, or registered memory.
+  if (const auto* st = static_cast<const Region*>(s.exposed); st != nullptr)
+    return post_data(peer, WrOp::WRITE, st->map.iova, st->key, addr, rkey, len, g);
+  const hcomm_mem* m = _ctx.find_local(s.sbuf, len);
+  if (m == nullptr || m->roce_key == 0)
+    return Status::error(Code::invalid_argument, "npu_roce: the send buffer was not exposed");
+  return post_data(peer, WrOp::WRITE, m->npu.iova + static_cast<uint64_t>(s.sbuf - m->ptr), m->roce_key, addr, rkey,
+                   len, g);
 }
 
 Status NpuRoceTransport::read_raw(int peer, void* local, uint64_t addr, uint32_t rkey, size_t len,

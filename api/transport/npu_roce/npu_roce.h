@@ -86,6 +86,10 @@ class NpuRoceTransport final : public Transport {
   bool am_send(int peer, const MsgHdr& h, const void* payload, size_t len) override;
   Status expose(Request& r, MsgHdr& h) override;
   void unexpose(Request& r) override;
+  Status expose_recv(int peer, Request& r, size_t len, uint64_t* addr, uint32_t* rkey) override;
+  void unexpose_recv(Request& r, bool arrived) override;
+  Status write_raw(int peer, const Request& s, size_t len, uint64_t addr, uint32_t rkey,
+                   const std::shared_ptr<Request>& g) override;
   Status read_raw(int peer, void* local, uint64_t addr, uint32_t rkey, size_t len,
                   const std::shared_ptr<Request>& g) override;
   void progress() override;
@@ -109,6 +113,7 @@ class NpuRoceTransport final : public Transport {
     driver::DmaBuffer buf;
     hal::npu::Mapping map;
     uint32_t key = 0;
+    size_t len = 0;  // bytes asked for
     uint8_t* data() const { return static_cast<uint8_t*>(buf.data()); }
   };
   struct Op {  // one work request in flight (every one is signalled)

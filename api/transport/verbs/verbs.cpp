@@ -219,6 +219,7 @@ Status VerbsTransport::setup(const VerbsConfig& cfg) {
   _caps.put = _caps.get = _caps.atomic64 = _caps.reduce = _caps.notify = true;
   _caps.remote_hosts = true;
   _caps.sync = false;
+  _caps.rndv_write = true;
   return Status::ok();
 }
 
@@ -951,7 +952,9 @@ bool VerbsTransport::am_send(int peer, const MsgHdr& h, const void* payload, siz
 
 Status VerbsTransport::expose(Request& r, MsgHdr& h) {
   const hcomm_mem* m = _ctx.find_local(r.sbuf, r.slen);
-  if (m != nullptr && m->verbs_mr != nullptr) {
+  // (Registered without REMOTE_READ: a receiver's READ through that key
+  // would be NAKed and break the pair, so it is registered like a plain one.)
+  if (m != nullptr && m->verbs_mr != nullptr && (m->access & HCOMM_ACCESS_REMOTE_READ) != 0) {
     h.rkey = static_cast<ibv_mr*>(m->verbs_mr)->rkey;
     return Status::ok();
   }
@@ -975,6 +978,40 @@ Status VerbsTransport::read_raw(int peer, void* local, uint64_t addr, uint32_t r
   ibv_mr* own = nullptr;
   HCOMM_TRY(lkey_of(local, len, &lkey, &own));
   return post_rdma(peer, IBV_WR_RDMA_READ, local, lkey, addr, rkey, len, g, own);
+}
+
+Status VerbsTransport::expose_recv(int peer, Request& r, size_t len, uint64_t* addr, uint32_t* rkey) {
+  if (!_peers[static_cast<size_t>(peer)].up) return Status::error(Code::peer_failure, "verbs: no queue pair to rank %d", peer);
+  *addr = reinterpret_cast<uint64_t>(r.rbuf);
+  const hcomm_mem* m = _ctx.find_local(r.rbuf, len);
+  if (m != nullptr && m->verbs_mr != nullptr && (m->access & HCOMM_ACCESS_REMOTE_WRITE) != 0) {
+    *rkey = static_cast<ibv_mr*>(m->verbs_mr)->rkey;
+    return Status::ok();
+  }
+  // Any other buffer (or memory peers may not write): registered for this
+  // message, writable by the peer only there, deregistered at WDONE.
+  ibv_mr* mr = nullptr;
+  HCOMM_TRY(reg(r.rbuf, len, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, &mr, "a receive buffer"));
+  *rkey = mr->rkey;
+  r.exposed = mr;
+  return Status::ok();
+}
+
+void VerbsTransport::unexpose_recv(Request& r, bool /*arrived*/) {
+  if (r.exposed != nullptr) ::ibv_dereg_mr(static_cast<ibv_mr*>(r.exposed));
+  r.exposed = nullptr;
+}
+
+Status VerbsTransport::write_raw(int peer, const Request& s, size_t len, uint64_t addr, uint32_t rkey,
+                                 const std::shared_ptr<Request>& g) {
+  if (!_peers[static_cast<size_t>(peer)].up) return Status::error(Code::peer_failure, "verbs: no queue pair to rank %d", peer);
+  // The send buffer's exposure (its own registration, or its hcomm memory's)
+  // gives the local key; it stays registered until the send completes.
+  uint32_t lkey = 0;
+  ibv_mr* own = nullptr;
+  if (s.exposed != nullptr) lkey = static_cast<ibv_mr*>(s.exposed)->lkey;
+  else HCOMM_TRY(lkey_of(s.sbuf, len, &lkey, &own));
+  return post_rdma(peer, IBV_WR_RDMA_WRITE, const_cast<uint8_t*>(s.sbuf), lkey, addr, rkey, len, g, own);
 }
 
 void VerbsTransport::peer_failed(int peer, const std::string& why) {

@@ -13,9 +13,13 @@
 // are signalled every kSignalEvery posts (a completion retires every earlier
 // slot of that queue pair).
 // Rendezvous: the sender exposes its buffer (its registration if it is hcomm
-// memory, else an ibv_reg_mr for this message, deregistered at FIN), the
-// receiver RDMA READs it straight into the receive buffer (registered the
-// same way), then sends FIN.
+// memory, else an ibv_reg_mr for this message, deregistered at FIN or at
+// its write's completion). By write (the default, Caps::rndv_write): the
+// receiver exposes its buffer the same way (REMOTE_WRITE; deregistered at
+// WDONE) and names it in a CTS, the sender RDMA WRITEs the payload straight
+// into it. By read (HCOMM_RNDV=get): the receiver RDMA READs the sender's
+// buffer straight into the receive buffer (registered the same way), then
+// sends FIN.
 // One-sided: put = RDMA WRITE (inline when it fits), get = RDMA READ, both
 // split at the port's max message size; fetch_add / compare_swap = the NIC's
 // 64-bit atomics; put_notify = the data WRITE, and only once it completed
@@ -90,6 +94,10 @@ class VerbsTransport final : public Transport {
   void unexpose(Request& r) override;
   Status read_raw(int peer, void* local, uint64_t addr, uint32_t rkey, size_t len,
                   const std::shared_ptr<Request>& g) override;
+  Status expose_recv(int peer, Request& r, size_t len, uint64_t* addr, uint32_t* rkey) override;
+  void unexpose_recv(Request& r, bool arrived) override;
+  Status write_raw(int peer, const Request& s, size_t len, uint64_t addr, uint32_t rkey,
+                   const std::shared_ptr<Request>& g) override;
   void progress() override;
   // The queue pair reports a lost peer after its ACK timeout (4.096 us x
   // 2^timeout) times (retries + 1).
