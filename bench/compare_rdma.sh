@@ -10,7 +10,8 @@
 #   lat 8 B    hcomm-bench put/get/fetch_add lat (-n 200)  | ib_write_lat, ib_read_lat,
 #              ib_atomic_lat (-n 200)                      | ucx_perftest put_lat, get -O 1, fadd -O 1
 #   bw         hcomm-bench put/get bw, 64K 256K 1M 4M      | ib_write_bw, ib_read_bw   | put_bw, get (zcopy)
-#   send/recv  hcomm-bench send_recv bw 1M (next to its own put bw 1M)
+#   send/recv  hcomm-bench send_recv bw 1M (next to its own put bw 1M), rendezvous by write
+#              (the default), then again with HCOMM_RNDV=get (by the receiver's READ)
 # and prints one table of time per operation (us): latency rows are medians
 # (hcomm p50, perftest t_typical, UCX typical); bandwidth rows are hcomm's
 # median window / window, perftest's and UCX's average (perftest / UCX MB/s are
@@ -50,7 +51,7 @@ peer() {
 hcomm() {
   local name=$1 t=$2 env
   shift 2
-  env="HCOMM_TRANSPORTS=verbs WORLD_SIZE=2 MASTER_PORT=$mport"
+  env="${HENV:-}${HENV:+ }HCOMM_TRANSPORTS=verbs WORLD_SIZE=2 MASTER_PORT=$mport"
   echo "server $name $t $nice $env RANK=0 MASTER_ADDR=\$HCOMM_IP hcomm-bench $* --json -o /tmp/$name.json && sed 's/^/HCOMM-BENCH $name /' /tmp/$name.json"
   echo "client $name $t $nice $env RANK=1 MASTER_ADDR=\$HCOMM_PEER hcomm-bench $*"
   mport=$((mport + 1))
@@ -70,6 +71,7 @@ hcomm() {
     extra=""
     [ "$s" = 1M ] && extra=",send_recv"
     hcomm "hcomm_bw_$s" 400 -t "put,get$extra" -m bw -s "$s" -w "$w" -n "$hn" --warmup 1
+    [ "$s" = 1M ] && HENV="HCOMM_RNDV=get" hcomm "hcomm_sr_get_$s" 400 -t send_recv -m bw -s "$s" -w "$w" -n "$hn" --warmup 1
     b=$(( ${s%[KM]} * $([ "${s: -1}" = K ] && echo 1024 || echo 1048576) ))
     peer "write_bw_$s" 300 ib_write_bw -s "$b" -n "$n"
     peer "read_bw_$s" 300 ib_read_bw -s "$b" -n "$n"
@@ -102,7 +104,7 @@ for l in lines:
         perf[f[1]] = f[3:]
     elif len(f) > 2 and f[0] == "HCOMM-BENCH":
         bench.setdefault(f[1], []).append(l.split(" ", 2)[2])
-hc, transport = {}, set()
+hc, transport, by_name = {}, set(), {}
 for name, part in bench.items():
     try:
         j = json.loads("\n".join(part))
@@ -111,7 +113,9 @@ for name, part in bench.items():
         continue
     transport.add(j.get("transport", "?"))
     for r in j["results"]:
-        hc[(r["test"], r["mode"], r["bytes"])] = r["p50_us"]
+        by_name[(name, r["test"], r["mode"], r["bytes"])] = r["p50_us"]
+        if not name.startswith("hcomm_sr_get"):
+            hc[(r["test"], r["mode"], r["bytes"])] = r["p50_us"]
 MiB = 1048576.0
 def pt(name, size):  # perftest: lat rows -> t_typical; bw rows -> size / BW average (MiB/s)
     r = perf.get(name)
@@ -146,6 +150,8 @@ for op, b, h, p, u, lim in rows:
 sr, put = hc.get(("send_recv", "bw", 1 << 20)), hc.get(("put", "bw", 1 << 20))
 r = ratio(sr, put)
 print("| send/recv bw | 1 M | %s | - | - | %s (/ hcomm put) | - | %s |" % (num(sr), num(r), "no data" if r is None else "met" if r <= 1.2 else "MISSED"))
+srg = by_name.get(("hcomm_sr_get_1M", "send_recv", "bw", 1 << 20))
+print("| send/recv bw, HCOMM_RNDV=get | 1 M | %s | - | - | %s (/ hcomm put) | - | (by READ; for reference) |" % (num(srg), num(ratio(srg, put))))
 print()
 print("Time per operation, us (lat: medians; bw: hcomm median window / window, perftest and UCX averages). "
       "Goals: hcomm/perftest <= 1.1 (lat, bw), send/recv 1 MiB <= 1.2x hcomm put, hcomm/UCX <= 1.0.")
