@@ -7,7 +7,9 @@
 #   bench/compare_rdma.sh BUILD_DIR        (needs BUILD_DIR/tools/hcomm-bench, hcomm-probe)
 #
 # Each guest first prints `hcomm-probe rdma`. Then, per op:
-#   lat 8 B    hcomm-bench put/get/fetch_add lat (-n 200)  | ib_write_lat, ib_read_lat,
+#   lat 8 B    hcomm-bench put/put_nbi/get/fetch_add lat   | ib_write_lat, ib_read_lat,
+#              (-n 200; put waits for its completion at the
+#              target, put_nbi does not, like the others)
 #              ib_atomic_lat (-n 200)                      | ucx_perftest put_lat, get -O 1, fadd -O 1
 #   bw         hcomm-bench put/get bw, 64K 256K 1M 4M      | ib_write_bw, ib_read_bw   | put_bw, get (zcopy)
 #   send/recv  hcomm-bench send_recv bw 1M (next to its own put bw 1M), rendezvous by write
@@ -59,7 +61,7 @@ hcomm() {
 {
   echo "all probe 30 hcomm-probe rdma && hcomm-probe --json rdma"
   echo "client ping 60 ping -c 1 -w 60 \$HCOMM_PEER"
-  hcomm hcomm_lat 240 -t put,get,fetch_add -m lat -s 8 -n 200 --warmup 20
+  hcomm hcomm_lat 240 -t put,put_nbi,get,fetch_add -m lat -s 8 -n 200 --warmup 20
   peer write_lat 120 ib_write_lat -s 8 -n 200
   peer read_lat 120 ib_read_lat -s 8 -n 200
   peer atomic_lat 120 ib_atomic_lat -n 200
@@ -127,7 +129,8 @@ def ucx(name, size):  # Final: iters typical avg overall bw_avg bw_overall mr_av
     r = perf.get(name)
     if not r or r[0] != "Final:": return None
     return float(r[2]) if "lat" in name else float(r[4])
-rows = [("put lat", 8, hc.get(("put", "lat", 8)), pt("write_lat", 8), ucx("ucx_put_lat", 8), 1.1),
+rows = [("put lat (blocking: completion at the target)", 8, hc.get(("put", "lat", 8)), pt("write_lat", 8), ucx("ucx_put_lat", 8), 1.1),
+        ("put_nbi lat (like ib_write_lat, ucp_put_lat)", 8, hc.get(("put_nbi", "lat", 8)), pt("write_lat", 8), ucx("ucx_put_lat", 8), 1.1),
         ("get lat", 8, hc.get(("get", "lat", 8)), pt("read_lat", 8), ucx("ucx_get_lat", 8), 1.1),
         ("fetch_add lat", 8, hc.get(("fetch_add", "lat", 8)), pt("atomic_lat", 8), ucx("ucx_fadd_lat", 8), 1.1)]
 for s, b in (("64K", 65536), ("256K", 262144), ("1M", 1 << 20), ("4M", 4 << 20)):

@@ -18,6 +18,10 @@
 //                  Relies on the engine writing the tail last (glibc memcpy
 //                  and the simulated DMA engine do); the initiator's put has
 //                  returned (complete at the target) before it polls anyway.
+//   put_nbi lat    the same ping-pong with hcomm_put_nbi: the put does not
+//                  wait for its own completion (the peer's answer proves it
+//                  arrived), as ib_write_lat and ucp_put_lat; a flush every
+//                  16 iterations (timed) reaps completions.
 //   put_notify lat ping-pong of hcomm_put_notify / hcomm_notify_wait on the
 //                  notify word; sample = RTT / 2.
 //   get lat        one blocking hcomm_get (a round trip by nature), target
@@ -29,7 +33,7 @@
 //                  of rank 0 (the physical limit of a single-copy transfer).
 //   bw (all)       windows of `--window` nonblocking operations, then wait
 //                  for all of them (one-sided: complete at the target);
-//                  put_nbi / get_nbi (bw only): windows of hcomm_put_nbi /
+//                  put_nbi / get_nbi: windows of hcomm_put_nbi /
 //                  hcomm_get_nbi, then one hcomm_flush (ucx_perftest's
 //                  ucp_put_bw / ucp_get: put_nbx / get_nbx with no request);
 //                  send_recv: the receiver pre-posts the window and answers
@@ -291,7 +295,8 @@ class Bench {
       for (size_t s : sizes) {
         if ((t == "put" || t == "acc" || t == "put_notify" || t == "put_nbi") && s < 8) continue;
         if (t == "acc" && s % 4 != 0) continue;
-        const bool nbi = t == "put_nbi" || t == "get_nbi";  // implicit completion: windows only
+        // Implicit completion: windows only, but for put_nbi's ping-pong.
+        const bool nbi = t == "get_nbi";
         if (_o.lat && !nbi) out.push_back(lat(t, s));
         if (_o.bw) out.push_back(bw(t, s));
       }
@@ -373,19 +378,25 @@ class Bench {
         }
         bt.end(i, 2);
       }
-    } else if (t == "put" && (init || target)) {
+    } else if ((t == "put" || t == "put_nbi") && (init || target)) {
       // The peer writes into our [0, n); the last 8 bytes carry the iteration.
+      // put_nbi: the put does not wait for its own completion (the peer's
+      // answer shows it arrived), as ib_write_lat and ucp_put_lat do not; a
+      // flush every 16 iterations, inside the timing, reaps completions.
       const uint64_t tail = n - 8;
       auto seen = word(tail);
       seen.store(0, std::memory_order_relaxed);
+      const bool nbi = t == "put_nbi";
       _c.barrier(kTimeoutMs);
       for (long i = 0; i < total; ++i) {
         const uint64_t seq = static_cast<uint64_t>(i) + 1;
         bt.begin(i);
         if (target) spin_until(seen, seq);
         std::memcpy(local() + tail, &seq, 8);
-        hcomm::check(hcomm_put(c, local(), n, _key[_peer].get(), 0, kTimeoutMs), "put");
+        if (nbi) hcomm::check(hcomm_put_nbi(c, local(), n, _key[_peer].get(), 0), "put_nbi");
+        else hcomm::check(hcomm_put(c, local(), n, _key[_peer].get(), 0, kTimeoutMs), "put");
         if (init) spin_until(seen, seq);
+        if (nbi && ((i & 15) == 15 || i + 1 == total)) hcomm::check(hcomm_flush(c, _peer, kTimeoutMs), "flush");
         bt.end(i, 2);
       }
     } else if (t == "put_notify" && (init || target)) {
