@@ -15,17 +15,20 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "api/core/context.h"  // Context::on_am: a peer's message, forged below
 #include "tests/support/keys.h"
 #include "tests/support/ranks.h"
 #include "tests/support/sim_process.h"
@@ -767,6 +770,79 @@ void device_loss(const std::string& how, const char* why) {
 }
 
 // notify_wait watches local memory, and who would write the word is not
+// A rendezvous control message that answers nothing (the protocol is in
+// api/proto/tag.cpp) is a protocol error of its sender: that peer is failed,
+// with a message that says why, and nothing is written anywhere. The
+// messages are handed to the context as its messaging lane would (the
+// lane has checked their form; these are well-formed and wrong):
+// rank 0 gets a CTS for a send it never made, rank 1 a WDONE for a receive
+// it never exposed; then a real 1 MiB send is pending at rank 0 (rank 1 posts
+// no receive) and a CTS asks it for one byte more than the message.
+TEST(Rendezvous, ForgedCtsAndWdoneFailTheirSender) {
+  std::string err = run_ranks(2, {{"HCOMM_ENGINE", "host"}}, [&](int rank) {
+    hcomm_config_t cfg = config();
+    hcomm_context_t* ctx = nullptr;
+    RCHECK_OK(hcomm_init(&cfg, &ctx));
+    const int peer = 1 - rank;
+    hcomm::api::Context& c = *ctx->impl;
+    auto forge = [&](hcomm::api::MsgType type, uint64_t sreq, uint64_t total) {
+      hcomm::api::MsgHdr h{};
+      h.type = static_cast<uint32_t>(type);
+      h.sreq = sreq;
+      h.total = total;
+      h.addr = 4096;
+      h.rkey = 1;
+      std::lock_guard lock(c.mu());
+      c.on_am(peer, h, nullptr);
+    };
+    uint64_t word = 7;
+    if (rank == 0) {
+      std::vector<uint8_t> big(1 << 20, 0x5a);
+      hcomm_request_t* q = nullptr;
+      RCHECK_OK(hcomm_isend(ctx, peer, big.data(), big.size(), 3, &q));
+      int done = 0;
+      RCHECK_EQ_STATUS(hcomm_test(q, &done), HCOMM_IN_PROGRESS);  // progress: the RTS is out
+      RCHECK(done == 0);
+      forge(hcomm::api::MsgType::cts, q->r->id, big.size() + 1);
+      RCHECK_EQ_STATUS(hcomm_wait(q, T), HCOMM_ERR_PEER_FAILURE);
+      RCHECK(std::strstr(hcomm_last_error(), "CTS asks for 1048577 bytes of a message of 1048576") != nullptr)
+          << hcomm_last_error();
+      hcomm_request_free(q);
+      RCHECK(std::all_of(big.begin(), big.end(), [](uint8_t b) { return b == 0x5a; }));
+      forge(hcomm::api::MsgType::cts, 123456789, 64);  // (the peer is failed already: ignored, no crash)
+    } else {
+      forge(hcomm::api::MsgType::wdone, 123456789, 0);
+      RCHECK_EQ_STATUS(hcomm_send(ctx, peer, &word, 8, 1, T), HCOMM_ERR_PEER_FAILURE);
+      RCHECK(std::strstr(hcomm_last_error(), "WDONE for message 123456789") != nullptr) << hcomm_last_error();
+    }
+    (void)hcomm_finalize(ctx);
+  }, 60);
+  EXPECT_EQ(err, "");
+}
+
+// A CTS for a send that does not exist fails its sender too.
+TEST(Rendezvous, CtsForAnUnknownSendFailsItsSender) {
+  std::string err = run_ranks(2, {{"HCOMM_ENGINE", "host"}}, [&](int rank) {
+    hcomm_config_t cfg = config();
+    hcomm_context_t* ctx = nullptr;
+    RCHECK_OK(hcomm_init(&cfg, &ctx));
+    const int peer = 1 - rank;
+    hcomm::api::MsgHdr h{};
+    h.type = static_cast<uint32_t>(hcomm::api::MsgType::cts);
+    h.sreq = 987654321;
+    h.total = 64;
+    {
+      std::lock_guard lock(ctx->impl->mu());
+      ctx->impl->on_am(peer, h, nullptr);
+    }
+    uint64_t word = 7;
+    RCHECK_EQ_STATUS(hcomm_send(ctx, peer, &word, 8, 1, T), HCOMM_ERR_PEER_FAILURE);
+    RCHECK(std::strstr(hcomm_last_error(), "CTS for message 987654321") != nullptr) << hcomm_last_error();
+    (void)hcomm_finalize(ctx);
+  }, 60);
+  EXPECT_EQ(err, "");
+}
+
 // known: a peer that fails during the wait ends it (found by the chaos
 // suite: a parameter server waited out its full timeout for a dead worker).
 TEST(PeerFailure, EndsANotifyWait) {
