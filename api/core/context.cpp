@@ -209,8 +209,9 @@ Status Context::open_transports(const hcomm_config_t& cfg, const LaunchInfo& li,
   if (const char* e = std::getenv("HCOMM_RNDV"); e != nullptr && *e != '\0') {
     const std::string v = e;
     if (v == "get") _rndv_write = false;
+    else if (v == "put") _rndv_write_min = 0;
     else if (v != "auto")
-      return Status::error(Code::invalid_argument, "HCOMM_RNDV='%s': use auto or get", e);
+      return Status::error(Code::invalid_argument, "HCOMM_RNDV='%s': use auto, get or put", e);
   }
   std::vector<std::string> forced;
   std::string list = cfg.transports != nullptr ? cfg.transports : "";

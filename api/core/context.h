@@ -401,8 +401,11 @@ class Context final : public AmSink {
   };
   std::list<Push> _pushes;
   // HCOMM_RNDV: rendezvous by the sender's write where the messaging lane can
-  // (Caps::rndv_write; default), or always by the receiver's read ("get").
+  // (Caps::rndv_write) for messages of at least _rndv_write_min bytes (auto:
+  // kRndvWriteMin; put: every size), else by the receiver's read (get: always).
+  static constexpr uint64_t kRndvWriteMin = 128 << 10;
   bool _rndv_write = true;
+  uint64_t _rndv_write_min = kRndvWriteMin;
   std::map<uint64_t, hcomm_rkey*> _rndv_keys;                    // (peer << 32 | slot) -> cached import
   Clock::time_point _last_check{};
   std::chrono::milliseconds _peer_check{1};

@@ -11,12 +11,15 @@
 //       the sender's memory (a read through the key, else a raw read of the
 //       sender's address space), then answers FIN; the send completes at FIN.
 //     * by write, where the messaging lane can (Caps::rndv_write: verbs,
-//       npu_roce; HCOMM_RNDV=get turns it off): the receiver exposes its
-//       buffer and answers CTS naming it; the sender writes the payload
-//       there and, once the write is acknowledged (placed), completes and
-//       sends WDONE; the receive completes at WDONE. On RDMA a READ is the
-//       slow direction (rxe: 4-6x slower than a WRITE here; NICs bound
-//       outstanding READs by max_rd_atomic), so send/recv runs at put's speed.
+//       npu_roce) and the message has at least 128 KiB (HCOMM_RNDV=put:
+//       any size; get: never): the receiver exposes its buffer and answers
+//       CTS naming it; the sender writes the payload there and, once the
+//       write is acknowledged (placed), completes and sends WDONE; the
+//       receive completes at WDONE. On RDMA a READ is the slow direction
+//       for bulk (rxe here: 2.4-7x slower than a WRITE; NICs bound
+//       outstanding READs by max_rd_atomic), so large send/recv runs at
+//       put's speed; below 128 KiB the read's one hop less wins (measured
+//       over Soft-RoCE: docs/performance.md).
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -346,7 +349,7 @@ void Context::pull(const std::shared_ptr<Request>& rp, int source, const MsgHdr&
   g->id = next_id();
   bool started = n == 0;
   if (n == 0) g->complete(HCOMM_OK);
-  if (!started && _rndv_write && p.am->caps().rndv_write) {
+  if (!started && _rndv_write && h.total >= _rndv_write_min && p.am->caps().rndv_write) {
     // By write: name our buffer in a CTS; the sender's WDONE completes g.
     MsgHdr c{};
     c.type = static_cast<uint32_t>(MsgType::cts);

@@ -36,13 +36,14 @@ struct Param {
   const char* engine;
   int ranks;
   bool nodes = false;  // two simulators as two nodes (npu_roce between them)
-  // HCOMM_RNDV=get: rendezvous by the receiver's read on a lane that would
-  // write (npu_roce); only the two-sided cases run.
-  bool rndv_get = false;
+  // HCOMM_RNDV (npu_roce, whose default is by write from 128 KiB, by read
+  // below): "get" (by the receiver's read at every size) or "put" (by the
+  // sender's write at every size); only the two-sided cases run.
+  const char* rndv = nullptr;
 };
 std::string param_name(const ::testing::TestParamInfo<Param>& i) {
   return std::string(i.param.engine) + (i.param.nodes ? "_roce" : "") + "_" + std::to_string(i.param.ranks) + "ranks" +
-         (i.param.rndv_get ? "_rndvget" : "");
+         (i.param.rndv != nullptr ? std::string("_rndv") + i.param.rndv : "");
 }
 // The cases whose rendezvous sends take one of the two ways.
 bool two_sided_case(const std::string& name) {
@@ -89,8 +90,8 @@ class Api : public ::testing::TestWithParam<Param> {
   bool npu() const { return std::string(GetParam().engine) == "npu"; }
   bool nodes() const { return GetParam().nodes; }
   void SetUp() override {
-    if (GetParam().rndv_get && !two_sided_case(::testing::UnitTest::GetInstance()->current_test_info()->name()))
-      GTEST_SKIP() << "HCOMM_RNDV=get: two-sided cases only";
+    if (GetParam().rndv != nullptr && !two_sided_case(::testing::UnitTest::GetInstance()->current_test_info()->name()))
+      GTEST_SKIP() << "HCOMM_RNDV=" << GetParam().rndv << ": two-sided cases only";
     if (nodes()) {
       if (!g_devices.empty()) GTEST_SKIP() << "two simulated nodes; HCOMM_TEST_DEVICES names real devices";
       if (g_node[0] == nullptr) {
@@ -204,7 +205,7 @@ class Api : public ::testing::TestWithParam<Param> {
     std::vector<std::pair<std::string, std::string>> env = {{"HCOMM_ENGINE", GetParam().engine}};
     if (g_sim != nullptr && !nodes()) env.emplace_back("HCOMM_SIM_DIR", g_sim->dir());
     if (npu() && !g_devices.empty()) env.emplace_back("HCOMM_DEVICE", g_devices);
-    if (GetParam().rndv_get) env.emplace_back("HCOMM_RNDV", "get");
+    if (GetParam().rndv != nullptr) env.emplace_back("HCOMM_RNDV", GetParam().rndv);
     if (nodes()) {
       env.emplace_back("HCOMM_SOCKET_ADDR", "127.0.0.1");  // the TCP mesh between the "hosts"
       // Go-back-N on a wire that drops one packet in twenty moves a few MB/s:
@@ -1365,7 +1366,7 @@ TEST_P(Api, ClaimAnsweredWithAnotherWordsValueIsAskedAgain) {
 INSTANTIATE_TEST_SUITE_P(Engines, Api,
                          ::testing::Values(Param{"host", 2}, Param{"host", 4}, Param{"npu", 2}, Param{"npu", 4},
                                            Param{"npu", 2, true}, Param{"npu", 4, true},
-                                           Param{"npu", 2, true, true}),
+                                           Param{"npu", 2, true, "get"}, Param{"npu", 2, true, "put"}),
                          param_name);
 
 }  // namespace

@@ -4,8 +4,9 @@
 # tests/qemu/verbs/):
 #   loopback  one guest, HCOMM_TRANSPORTS=verbs forced between ranks of one
 #             host: the API conformance suite at 2 and 4 ranks, every op,
-#             dtype and size up to 64 MiB (and the two-sided cases again with
-#             HCOMM_RNDV=get: rendezvous by READ), asserting verbs serves every peer
+#             dtype and size up to 64 MiB (rendezvous by READ below 128 KiB, by
+#             WRITE from there; the two-sided cases again with HCOMM_RNDV=get and
+#             =put: every size by READ, by WRITE), asserting verbs serves every peer
 #             and that rxe's counters moved; and, as an unprivileged user with
 #             a 64 KiB RLIMIT_MEMLOCK, init failing with a message naming it;
 #   pair      two guests = two hosts, ranks on both (torchrun-style

@@ -14,10 +14,11 @@
 // slot of that queue pair).
 // Rendezvous: the sender exposes its buffer (its registration if it is hcomm
 // memory, else an ibv_reg_mr for this message, deregistered at FIN or at
-// its write's completion). By write (the default, Caps::rndv_write): the
+// its write's completion). By write (Caps::rndv_write; the default from
+// 128 KiB): the
 // receiver exposes its buffer the same way (REMOTE_WRITE; deregistered at
 // WDONE) and names it in a CTS, the sender RDMA WRITEs the payload straight
-// into it. By read (HCOMM_RNDV=get): the receiver RDMA READs the sender's
+// into it. By read (below 128 KiB, or HCOMM_RNDV=get): the receiver RDMA READs the sender's
 // buffer straight into the receive buffer (registered the same way), then
 // sends FIN.
 // One-sided: put = RDMA WRITE (inline when it fits), get = RDMA READ, both
