@@ -81,6 +81,24 @@ hcomm_status_t new_request(Context& ctx, std::shared_ptr<Request> r, hcomm_reque
   return HCOMM_OK;
 }
 
+// Drops a live handle (not the completed one) into this thread's cache.
+// The context keeps its own reference while the operation runs: freeing a
+// pending request only drops the user's handle (an atomic count; no context
+// access, so this is safe even after hcomm_finalize).
+void release_handle(hcomm_request* req) {
+  req->r.reset();
+  req->ctx = nullptr;
+  if (!t_handles.dead && t_handles.n < HandleCache::kMax) {
+    if (!t_handles.armed) {
+      t_handle_reaper.on = true;  // constructs it: its destructor runs at thread exit
+      t_handles.armed = true;
+    }
+    t_handles.items[t_handles.n++] = req;
+  } else {
+    delete req;
+  }
+}
+
 // The status a finished request hands back to its caller.
 hcomm_status_t finished(const Request& r) {
   if (r.status != HCOMM_OK) g_last_error = r.error.empty() ? hcomm_strerror(r.status) : r.error;
@@ -397,20 +415,75 @@ hcomm_status_t hcomm_request_cancel(hcomm_request_t* req) {
 void hcomm_request_free(hcomm_request_t* req) {
   if (req == nullptr || req == &g_done_handle) return;
   if (req->ctx == nullptr) return;  // already freed (and cached): a second free must not cache it twice
-  // The context keeps its own reference while the operation runs: freeing a
-  // pending request only drops the user's handle (an atomic count; no
-  // context access, so this is safe even after hcomm_finalize).
-  req->r.reset();
-  req->ctx = nullptr;
-  if (!t_handles.dead && t_handles.n < HandleCache::kMax) {
-    if (!t_handles.armed) {
-      t_handle_reaper.on = true;  // constructs it: its destructor runs at thread exit
-      t_handles.armed = true;
+  release_handle(req);
+}
+
+hcomm_status_t hcomm_wait_all(hcomm_request_t** reqs, size_t count, hcomm_status_t* statuses, int timeout_ms) {
+  if (count == 0) return HCOMM_OK;
+  if (reqs == nullptr) return fail(HCOMM_ERR_INVALID, "null request array");
+  auto live = [](const hcomm_request_t* q) { return q != nullptr && q != &g_done_handle; };
+  // Every handle is checked before any is waited for or freed: a freed one,
+  // or one listed twice (it would be freed twice), refuses the whole call.
+  size_t bad = count;
+  std::string why;
+  for (size_t i = 0; i < count && bad == count; ++i) {
+    hcomm_request_t* q = reqs[i];
+    if (!live(q)) continue;
+    if (q->ctx == nullptr || !q->r) {
+      bad = i;
+      why = " is not a live request";
+    } else if (q->listed) {
+      bad = i;
+      why = " appears twice in the array";
+    } else {
+      q->listed = true;
     }
-    t_handles.items[t_handles.n++] = req;
-  } else {
-    delete req;
   }
+  for (size_t i = 0; i < count; ++i)
+    if (live(reqs[i]) && reqs[i]->ctx != nullptr) reqs[i]->listed = false;
+  if (bad != count) {
+    g_last_error = "request " + std::to_string(bad) + " of " + std::to_string(count) + why;
+    return HCOMM_ERR_INVALID;
+  }
+  // One deadline for the whole set. Waits in order (every one has to
+  // finish); once the deadline passed, the rest are only looked at.
+  const Deadline dl = deadline_of(timeout_ms);
+  bool late = false;
+  hcomm_status_t first = HCOMM_OK;
+  std::string first_error;
+  for (size_t i = 0; i < count; ++i) {
+    hcomm_request_t* q = reqs[i];
+    hcomm_status_t s = HCOMM_OK;
+    if (live(q)) {
+      Request& r = *q->r;
+      if (!r.settled.load(std::memory_order_acquire)) {  // finished: no lock
+        std::unique_lock lock(q->ctx->mu());
+        if (!r.done()) {
+          if (late) q->ctx->progress();
+          else late = !q->ctx->wait(r, dl);
+        }
+        if (!r.done()) {
+          if (statuses != nullptr) statuses[i] = HCOMM_IN_PROGRESS;
+          continue;  // stays the caller's, pending
+        }
+      }
+      s = r.status;
+      if (s != HCOMM_OK && first == HCOMM_OK) {
+        first = s;
+        first_error = "request " + std::to_string(i) + ": " + (r.error.empty() ? hcomm_strerror(s) : r.error);
+      }
+      release_handle(q);
+    }
+    reqs[i] = nullptr;
+    if (statuses != nullptr) statuses[i] = s;
+  }
+  if (late) {
+    g_last_error = "requests still in progress after " + std::to_string(timeout_ms) +
+                   " ms (left in the array; the finished ones were freed)";
+    return HCOMM_ERR_TIMEOUT;
+  }
+  if (first != HCOMM_OK) g_last_error = first_error;
+  return first;
 }
 
 hcomm_status_t hcomm_request_recv_info(const hcomm_request_t* req, hcomm_recv_info_t* info) {

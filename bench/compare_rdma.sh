@@ -5,6 +5,10 @@
 # guest B 10.0.0.2 = client = hcomm rank 1), one benchmark after the other.
 #
 #   bench/compare_rdma.sh BUILD_DIR        (needs BUILD_DIR/tools/hcomm-bench, hcomm-probe)
+#   bench/compare_rdma.sh BUILD_DIR lat N  the 8-byte latency rows only, N rounds in the
+#       same boot, interleaved (round k: hcomm put/put_nbi/get/fetch_add, then
+#       perftest, then UCX, -n 1000 each), so that each round's ratios pair tools
+#       measured seconds apart; the table gives every round's ratio and their median
 #
 # Each guest first prints `hcomm-probe rdma`. Then, per op:
 #   lat 8 B    hcomm-bench put/put_nbi/get/fetch_add lat   | ib_write_lat, ib_read_lat,
@@ -23,8 +27,11 @@
 # Environment: HCOMM_RDMA_TIMEOUT (default 1500 s per guest), HCOMM_RDMA_MEM (1024M).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-[ $# -eq 1 ] || { sed -n '2,/^set -e/p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[ $# -eq 1 ] || [ $# -eq 3 -a "${2:-}" = lat ] || { sed -n '2,/^set -e/p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 build=$(cd "$1" && pwd)
+rounds=0
+[ $# -eq 3 ] && rounds=$3
+[[ $rounds =~ ^[0-9]+$ ]] || { echo "compare_rdma: rounds must be a number" >&2; exit 2; }
 for t in hcomm-bench hcomm-probe; do
   [ -x "$build/tools/$t" ] || { echo "compare_rdma: $build/tools/$t missing (ninja -C $1 tools/$t)" >&2; exit 2; }
 done
@@ -58,6 +65,21 @@ hcomm() {
   echo "client $name $t $nice $env RANK=1 MASTER_ADDR=\$HCOMM_PEER hcomm-bench $*"
   mport=$((mport + 1))
 }
+if [ "$rounds" -gt 0 ]; then
+  {
+    echo "all probe 30 hcomm-probe rdma && hcomm-probe --json rdma"
+    echo "client ping 60 ping -c 1 -w 60 \$HCOMM_PEER"
+    for k in $(seq 1 "$rounds"); do
+      hcomm "hcomm_lat_r$k" 400 -t put,put_nbi,get,fetch_add -m lat -s 8 -n 1000 --warmup 50
+      peer "write_lat_r$k" 200 ib_write_lat -s 8 -n 1000
+      peer "read_lat_r$k" 200 ib_read_lat -s 8 -n 1000
+      peer "atomic_lat_r$k" 200 ib_atomic_lat -n 1000
+      peer "ucx_put_lat_r$k" 200 ucx_perftest -t put_lat -s 8 -n 1000 -w 50
+      peer "ucx_get_lat_r$k" 200 ucx_perftest -t get -D bcopy -s 8 -n 1000 -w 50 -O 1
+      peer "ucx_fadd_lat_r$k" 200 ucx_perftest -t fadd -n 1000 -w 50 -O 1
+    done
+  } > "$cmds"
+else
 {
   echo "all probe 30 hcomm-probe rdma && hcomm-probe --json rdma"
   echo "client ping 60 ping -c 1 -w 60 \$HCOMM_PEER"
@@ -86,6 +108,7 @@ hcomm() {
 4M 6 2 3
 EOF
 } > "$cmds"
+fi
 
 echo "compare_rdma: host load before: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$out/load.txt"
 t0=$(date +%s)
@@ -95,6 +118,64 @@ HCOMM_RDMA_MEM=${HCOMM_RDMA_MEM:-1024M} HCOMM_RDMA_TIMEOUT=${HCOMM_RDMA_TIMEOUT:
   bash "$root/tests/qemu/run-rdma.sh" "$build" pair > "$out/console.txt" 2>&1 || rc=$?
 echo "compare_rdma: run-rdma pair exit $rc after $(( $(date +%s) - t0 ))s; host load after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/load.txt"
 grep -E '^(FAIL|ok):' "$out/console.txt" | grep -v '^ok' || true
+
+if [ "$rounds" -gt 0 ]; then
+python3 - "$out/console.txt" "$rounds" <<'EOF' | tee "$out/table-lat.md"
+import json, statistics, sys
+lines = open(sys.argv[1], errors="replace").read().splitlines()
+rounds = int(sys.argv[2])
+perf, bench = {}, {}
+for l in lines:
+    f = l.split()
+    if len(f) > 3 and f[0] == "HCOMM-PERF" and f[2] == "client":
+        perf[f[1]] = f[3:]
+    elif len(f) > 2 and f[0] == "HCOMM-BENCH":
+        bench.setdefault(f[1], []).append(l.split(" ", 2)[2])
+def hc(k, test):
+    try:
+        j = json.loads("\n".join(bench.get("hcomm_lat_r%d" % k, [])))
+    except ValueError:
+        return None
+    for r in j["results"]:
+        if r["test"] == test and r["mode"] == "lat": return r["p50_us"]
+    return None
+def pt(name):  # perftest lat row: t_typical
+    r = perf.get(name)
+    return float(r[4]) if r else None
+def ucx(name):  # Final: iters typical ...
+    r = perf.get(name)
+    return float(r[2]) if r and r[0] == "Final:" else None
+def ratio(a, b): return None if a is None or b is None or b == 0 else a / b
+def num(v): return "-" if v is None else "%.2f" % v
+def med(v):
+    v = [x for x in v if x is not None]
+    return statistics.median(v) if v else None
+rows = (("put lat (blocking)", "put", "write_lat", "ucx_put_lat"),
+        ("put_nbi lat", "put_nbi", "write_lat", "ucx_put_lat"),
+        ("get lat", "get", "read_lat", "ucx_get_lat"),
+        ("fetch_add lat", "fetch_add", "atomic_lat", "ucx_fadd_lat"))
+print("8-byte latency: %d interleaved rounds of 1000 iterations in one boot; us per operation, ratios per round" % rounds)
+print()
+print("| op | hcomm us, rounds | perftest us | UCX us | hcomm/perftest | median | hcomm/UCX | median | goal |")
+print("|---|---|---|---|---|---:|---|---:|---|")
+for name, t, p, u in rows:
+    ks = range(1, rounds + 1)
+    h = [hc(k, t) for k in ks]
+    pv = [pt("%s_r%d" % (p, k)) for k in ks]
+    uv = [ucx("%s_r%d" % (u, k)) for k in ks]
+    rp = [ratio(a, b) for a, b in zip(h, pv)]
+    ru = [ratio(a, b) for a, b in zip(h, uv)]
+    mp, mu = med(rp), med(ru)
+    g = "perftest %s, UCX %s" % ("-" if mp is None else "met" if mp <= 1.1 else "MISSED",
+                                 "-" if mu is None else "met" if mu <= 1.0 else "MISSED")
+    j = lambda v: " / ".join(num(x) for x in v)
+    print("| %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (name, j(h), j(pv), j(uv), j(rp), num(mp), j(ru), num(mu), g))
+print()
+print("hcomm p50, perftest t_typical, UCX typical (put: half a ping-pong; get, fetch_add: one operation). "
+      "Goals: hcomm/perftest <= 1.1, hcomm/UCX <= 1.0 (median of the rounds' paired ratios).")
+EOF
+exit $rc
+fi
 
 python3 - "$out/console.txt" <<'EOF' | tee "$out/table.md"
 import json, re, statistics, sys

@@ -465,14 +465,9 @@ class Bench {
     _c.barrier(kTimeoutMs);
     std::vector<hcomm_request_t*> reqs(static_cast<size_t>(win), nullptr);
     std::vector<uint64_t> olds(static_cast<size_t>(win), 0);
-    auto wait_all = [&] {
-      for (auto*& r : reqs) {
-        hcomm_status_t s = hcomm_wait(r, kTimeoutMs);
-        hcomm_request_free(r);
-        r = nullptr;
-        hcomm::check(s, "wait");
-      }
-    };
+    // A window is waited for as MPI programs wait for one (MPI_Waitall):
+    // one call, one deadline; it frees every request and NULLs its entry.
+    auto wait_all = [&] { hcomm::check(hcomm_wait_all(reqs.data(), reqs.size(), nullptr, kTimeoutMs), "wait_all"); };
     uint64_t notified = 0;
     // The operation, decided once (not by string compares inside the window).
     enum class Op { put, get, acc, put_notify, fetch_add, put_nbi, get_nbi };

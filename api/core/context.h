@@ -455,6 +455,7 @@ class Context final : public AmSink {
 struct hcomm_request {
   hcomm::api::Context* ctx = nullptr;
   std::shared_ptr<hcomm::api::Request> r;
+  bool listed = false;  // set only while hcomm_wait_all checks its array for repeats
 };
 struct hcomm_context {
   std::unique_ptr<hcomm::api::Context> impl;

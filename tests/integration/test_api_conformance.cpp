@@ -454,14 +454,68 @@ TEST_P(Api, NonblockingManyOutstanding) {
       RCHECK_OK(hcomm_irecv(ctx, left, rb.data() + i * bs, bs, 1000 + i, HCOMM_TAG_MASK_ALL, &r));
       reqs.push_back(r);
     }
-    for (auto* r : reqs) {
-      RCHECK_OK(hcomm_wait(r, T));
-      hcomm_request_free(r);
-    }
+    std::vector<hcomm_status_t> sts(reqs.size(), HCOMM_ERR_INVALID);
+    RCHECK_OK(hcomm_wait_all(reqs.data(), reqs.size(), sts.data(), T));
+    for (size_t i = 0; i < reqs.size(); ++i) RCHECK(reqs[i] == nullptr && sts[i] == HCOMM_OK) << i;
     for (int i = 0; i < big; ++i)
       RCHECK(rb[i * bs] == ((left * 37 + i) & 0xff) && rb[i * bs + bs - 1] == ((left * 37 + i) & 0xff)) << i;
     RCHECK_OK(hcomm_barrier(ctx, T));
     RCHECK_OK(hcomm_mem_release(sm));
+  });
+}
+
+// hcomm_wait_all: a window under one deadline. Past it the unfinished
+// requests stay in the array, pending, and the finished ones are freed; a
+// failed one's status comes back with its index; a handle twice is refused.
+TEST_P(Api, NonblockingWaitAllFreesWhatFinishedAndKeepsWhatDidNot) {
+  run([](hcomm_context_t* ctx, int me, int n) {
+    const int right = (me + 1) % n, left = (me + n - 1) % n;
+    RCHECK_OK(hcomm_wait_all(nullptr, 0, nullptr, T));
+    RCHECK_EQ_STATUS(hcomm_wait_all(nullptr, 3, nullptr, T), HCOMM_ERR_INVALID);
+    uint64_t late = 0, early = 0, small = 0;
+    const uint64_t mine = 1000 + static_cast<uint64_t>(me);
+    std::vector<hcomm_request_t*> reqs(4, nullptr);
+    hcomm_status_t st[4];
+    RCHECK_OK(hcomm_irecv(ctx, left, &late, 8, 77, HCOMM_TAG_MASK_ALL, &reqs[0]));  // sent after the barrier
+    RCHECK_OK(hcomm_isend(ctx, right, &mine, 8, 78, &reqs[2]));
+    RCHECK_OK(hcomm_irecv(ctx, left, &early, 8, 78, HCOMM_TAG_MASK_ALL, &reqs[3]));
+    // reqs[1] stays NULL: skipped. reqs[2], reqs[3] finish (waited for
+    // without freeing); only tag 77 is still to come.
+    RCHECK_OK(hcomm_wait(reqs[2], T));
+    RCHECK_OK(hcomm_wait(reqs[3], T));
+    RCHECK_EQ_STATUS(hcomm_wait_all(reqs.data(), reqs.size(), st, 200), HCOMM_ERR_TIMEOUT);
+    RCHECK(reqs[0] != nullptr && st[0] == HCOMM_IN_PROGRESS) << st[0];
+    for (int i = 1; i < 4; ++i) RCHECK(reqs[i] == nullptr && st[i] == HCOMM_OK) << i << ": " << st[i];
+    RCHECK(early == 1000 + static_cast<uint64_t>(left)) << early;
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    RCHECK_OK(hcomm_send(ctx, right, &mine, 8, 77, T));
+    RCHECK_OK(hcomm_wait_all(reqs.data(), reqs.size(), st, T));
+    for (int i = 0; i < 4; ++i) RCHECK(reqs[i] == nullptr && st[i] == HCOMM_OK) << i << ": " << st[i];
+    RCHECK(late == 1000 + static_cast<uint64_t>(left)) << late;
+    // A failure (a truncated receive) is returned with its index; the rest
+    // of the window still completes and is freed.
+    RCHECK_OK(hcomm_send(ctx, right, &mine, 8, 79, T));
+    RCHECK_OK(hcomm_send(ctx, right, &mine, 8, 80, T));
+    uint32_t half = 0;
+    RCHECK_OK(hcomm_irecv(ctx, left, &small, 8, 79, HCOMM_TAG_MASK_ALL, &reqs[0]));
+    RCHECK_OK(hcomm_irecv(ctx, left, &half, 4, 80, HCOMM_TAG_MASK_ALL, &reqs[1]));
+    RCHECK_EQ_STATUS(hcomm_wait_all(reqs.data(), 2, st, T), HCOMM_ERR_TRUNCATED);
+    RCHECK(std::string(hcomm_last_error()).find("request 1") != std::string::npos) << hcomm_last_error();
+    RCHECK(reqs[0] == nullptr && reqs[1] == nullptr && st[0] == HCOMM_OK && st[1] == HCOMM_ERR_TRUNCATED);
+    RCHECK(small == 1000 + static_cast<uint64_t>(left)) << small;
+    // The same live handle twice: refused before anything is waited for or
+    // freed (it would be freed twice); the array is left as it was.
+    RCHECK_OK(hcomm_send(ctx, right, &mine, 8, 81, T));
+    RCHECK_OK(hcomm_irecv(ctx, left, &small, 8, 81, HCOMM_TAG_MASK_ALL, &reqs[0]));
+    reqs[1] = nullptr;
+    reqs[2] = reqs[0];
+    RCHECK_EQ_STATUS(hcomm_wait_all(reqs.data(), 3, st, T), HCOMM_ERR_INVALID);
+    RCHECK(std::string(hcomm_last_error()).find("request 2 of 3 appears twice") != std::string::npos)
+        << hcomm_last_error();
+    RCHECK(reqs[0] != nullptr && reqs[2] == reqs[0]);
+    RCHECK_OK(hcomm_wait_all(reqs.data(), 1, st, T));  // the lone entry still works
+    RCHECK(reqs[0] == nullptr && st[0] == HCOMM_OK && small == 1000 + static_cast<uint64_t>(left));
+    RCHECK_OK(hcomm_barrier(ctx, T));
   });
 }
 

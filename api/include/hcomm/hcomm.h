@@ -179,6 +179,18 @@ hcomm_status_t hcomm_request_cancel(hcomm_request_t* req);
 /* Drops the handle; a pending operation goes on (its buffers must stay valid
  * until it completes). Safe after hcomm_finalize. */
 void hcomm_request_free(hcomm_request_t* req);
+/* Waits for every request of reqs[0, count) under one timeout, as
+ * MPI_Waitall does (NULL entries are skipped). Each request that finished is
+ * freed and its entry set to NULL; statuses (NULL: not wanted) receives each
+ * entry's status (HCOMM_OK for a NULL entry, HCOMM_IN_PROGRESS for one still
+ * pending). Returns HCOMM_ERR_TIMEOUT when some are still pending at the
+ * deadline (they stay in the array, the caller's to wait for, cancel or
+ * free), else the first failed request's status (hcomm_last_error names its
+ * index), else HCOMM_OK. A handle that is not live (already freed) or that
+ * appears twice refuses the call with HCOMM_ERR_INVALID before anything is
+ * waited for or freed. */
+hcomm_status_t hcomm_wait_all(hcomm_request_t** reqs, size_t count, hcomm_status_t* statuses,
+                              int timeout_ms);
 /* Drives progress once (optional: every call does). */
 hcomm_status_t hcomm_progress(hcomm_context_t* ctx);
 
