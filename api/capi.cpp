@@ -1,4 +1,5 @@
 // The C API: argument checks, locking, status mapping, last-error text.
+#include <algorithm>
 #include <cstring>
 #include <new>
 #include <string>
@@ -424,11 +425,12 @@ hcomm_status_t hcomm_wait_all(hcomm_request_t** reqs, size_t count, hcomm_status
   auto live = [](const hcomm_request_t* q) { return q != nullptr && q != &g_done_handle; };
   // Every handle is checked before any is waited for or freed: a freed one,
   // or one listed twice (it would be freed twice), refuses the whole call.
-  size_t bad = count;
+  size_t bad = count, first_live = count;
   std::string why;
   for (size_t i = 0; i < count && bad == count; ++i) {
     hcomm_request_t* q = reqs[i];
     if (!live(q)) continue;
+    if (first_live == count) first_live = i;
     if (q->ctx == nullptr || !q->r) {
       bad = i;
       why = " is not a live request";
@@ -439,7 +441,12 @@ hcomm_status_t hcomm_wait_all(hcomm_request_t** reqs, size_t count, hcomm_status
       q->listed = true;
     }
   }
-  for (size_t i = 0; i < count; ++i)
+  if (first_live == count) {  // all complete on return (synchronous lanes): nothing to wait for
+    std::fill_n(reqs, count, nullptr);
+    if (statuses != nullptr) std::fill_n(statuses, count, HCOMM_OK);
+    return HCOMM_OK;
+  }
+  for (size_t i = first_live; i < count; ++i)
     if (live(reqs[i]) && reqs[i]->ctx != nullptr) reqs[i]->listed = false;
   if (bad != count) {
     g_last_error = "request " + std::to_string(bad) + " of " + std::to_string(count) + why;
