@@ -7,7 +7,8 @@
 #   bench/compare_rdma.sh BUILD_DIR        (needs BUILD_DIR/tools/hcomm-bench, hcomm-probe)
 #   bench/compare_rdma.sh BUILD_DIR lat N  the 8-byte latency rows only, N rounds in the
 #       same boot, interleaved (round k: hcomm put/put_nbi/get/fetch_add, then
-#       perftest, then UCX, -n 1000 each), so that each round's ratios pair tools
+#       perftest, then UCX, -n 1000 each; hcomm with --batch 1: the median of single
+#       iterations, as perftest and UCX report), so that each round's ratios pair tools
 #       measured seconds apart; the table gives every round's ratio and their median
 #
 # Each guest first prints `hcomm-probe rdma`. Then, per op:
@@ -70,7 +71,7 @@ if [ "$rounds" -gt 0 ]; then
     echo "all probe 30 hcomm-probe rdma && hcomm-probe --json rdma"
     echo "client ping 60 ping -c 1 -w 60 \$HCOMM_PEER"
     for k in $(seq 1 "$rounds"); do
-      hcomm "hcomm_lat_r$k" 400 -t put,put_nbi,get,fetch_add -m lat -s 8 -n 1000 --warmup 50
+      hcomm "hcomm_lat_r$k" 400 -t put,put_nbi,get,fetch_add -m lat -s 8 -n 1000 --warmup 50 --batch 1
       peer "write_lat_r$k" 200 ib_write_lat -s 8 -n 1000
       peer "read_lat_r$k" 200 ib_read_lat -s 8 -n 1000
       peer "atomic_lat_r$k" 200 ib_atomic_lat -n 1000

@@ -94,6 +94,7 @@ struct Options {
   long warmup = -1;  // -1: adaptive
   double scale = 1.0;
   int microbatches = 16;
+  long batch = 0;  // lat iterations per timed sample; 0: 16, or 1 for short runs
   std::string format = "text";
   std::string output;
   unsigned mem_kind = HCOMM_MEM_HOST;
@@ -120,6 +121,9 @@ void usage(FILE* f) {
                "      --warmup N       warm-up iterations (default adaptive: a tenth, at least 2)\n"
                "      --scale F        multiply the adaptive counts by F (e.g. 0.05 for a smoke run)\n"
                "      --microbatches N pipeline micro-batches per sample (default 16)\n"
+               "      --batch N        lat: iterations per timed sample (default 16, 1 for runs of\n"
+               "                       fewer than 320; 1 = the median of single iterations, as\n"
+               "                       perftest's t_typical and ucx_perftest's typical)\n"
                "      --mem host|device  memory of the buffers (device: NPU engine HBM)\n"
                "      --json | --csv   machine-readable output instead of the table\n"
                "  -o, --output FILE    write the output to FILE (rank 0) instead of stdout\n");
@@ -196,6 +200,9 @@ Options parse(int argc, char** argv) {
     } else if (a == "--microbatches") {
       o.microbatches = std::stoi(need(i));
       if (o.microbatches < 1) throw std::runtime_error("--microbatches is at least 1");
+    } else if (a == "--batch") {
+      o.batch = std::stol(need(i));
+      if (o.batch < 1 || o.batch > 4096) throw std::runtime_error("--batch is 1..4096");
     } else if (a == "--mem") {
       std::string m = need(i);
       if (m == "host") o.mem_kind = HCOMM_MEM_HOST;
@@ -327,13 +334,17 @@ class Bench {
   // 25 ns on a VM's TSC, a quarter of a small round trip, while
   // ucx_perftest reads the TSC directly). Sample = batch time / kBatch
   // (/ 2 for ping-pongs); batches start after the warm-up. Short runs (fewer
-  // than 20 batches) time every iteration.
+  // than 20 batches) time every iteration, as does --batch 1: a batch's
+  // sample is a mean, so a rare slow iteration (a retransmission, a host
+  // preempting a guest) lifts the median of batches, not the median of single
+  // iterations (what perftest and ucx_perftest report).
   struct Batches {
     static constexpr long kBatch = 16;
     long warm, batch, left = 0;  // left: iterations still to run in the current batch
     std::vector<double>* out;
     Clock::time_point t0{};
-    Batches(long w, long iters, std::vector<double>* o) : warm(w), batch(iters >= 20 * kBatch ? kBatch : 1), out(o) {}
+    Batches(long w, long iters, long forced, std::vector<double>* o)
+        : warm(w), batch(forced > 0 ? forced : iters >= 20 * kBatch ? kBatch : 1), out(o) {}
     void begin(long i) {
       if (left == 0 && i >= warm) {
         left = batch;
@@ -352,7 +363,7 @@ class Bench {
     const long total = warm + res.iters;
     std::vector<double> samples;
     samples.reserve(static_cast<size_t>(res.iters));
-    Batches bt(warm, res.iters, &samples);
+    Batches bt(warm, res.iters, _o.batch, &samples);
     prepare(t, n);
     _c.barrier(kTimeoutMs);
     hcomm_context_t* c = _c.get();

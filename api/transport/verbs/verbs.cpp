@@ -90,6 +90,7 @@ Status VerbsConfig::from_env(VerbsConfig* out) {
 VerbsTransport::VerbsTransport(Context& ctx, AmSink& sink)
     : _ctx(ctx), _sink(sink), _rank(ctx.rank()), _size(ctx.size()) {
   _peers.resize(static_cast<size_t>(_size));
+  for (VPeer& p : _peers) p.ops.resize(kSqDepth);
 }
 
 Status VerbsTransport::open(Context& ctx, AmSink& sink, const VerbsConfig& cfg, std::unique_ptr<VerbsTransport>* out) {
@@ -291,8 +292,9 @@ std::string VerbsTransport::describe() const {
 }
 
 VerbsTransport::~VerbsTransport() {
-  for (auto& [id, op] : _ops)
-    if (op.own_mr != nullptr) ::ibv_dereg_mr(op.own_mr);
+  for (VPeer& p : _peers)
+    for (Op& op : p.ops)
+      if (op.live && op.own_mr != nullptr) ::ibv_dereg_mr(op.own_mr);
   for (VPeer& p : _peers)
     if (p.qp != nullptr) ::ibv_destroy_qp(p.qp);
   for (ibv_mr* mr : {_am_mr, _table_mr, _locks_mr, _mailbox_mr, _scratch_mr, _bounce_mr})
@@ -425,12 +427,14 @@ Status VerbsTransport::post(int peer, ibv_send_wr& wr, Op op, bool signalled) {
   if (!p.up) return Status::error(Code::peer_failure, "verbs: the queue pair to rank %d is down", peer);
   // Room in the send queue: unsignalled requests hold their entries until a
   // later signalled one completes.
-  Deadline dl = Deadline::after_ms(30000);
-  while (p.sq_posted - p.sq_retired + 1 >= 255) {
-    poll_send();
-    if (!p.up) return Status::error(Code::peer_failure, "verbs: the queue pair to rank %d is down", peer);
-    if (dl.expired()) return Status::error(Code::no_resource, "verbs: send queue to rank %d full until the deadline", peer);
-    cpu_relax();
+  static_assert(kSqDepth > 255, "a live slot could be reused");
+  if (p.sq_posted - p.sq_retired + 1 >= 255) {  // (the clock is read only when it has to wait)
+    for (Deadline dl = Deadline::after_ms(30000); p.sq_posted - p.sq_retired + 1 >= 255;) {
+      poll_send();
+      if (!p.up) return Status::error(Code::peer_failure, "verbs: the queue pair to rank %d is down", peer);
+      if (dl.expired()) return Status::error(Code::no_resource, "verbs: send queue to rank %d full until the deadline", peer);
+      cpu_relax();
+    }
   }
   const uint64_t id = wr_id(peer, p.sq_posted);
   wr.wr_id = id;
@@ -441,7 +445,10 @@ Status VerbsTransport::post(int peer, ibv_send_wr& wr, Op op, bool signalled) {
     return Status::from_errno(rc, "verbs: ibv_post_send to rank " + std::to_string(peer));
   ++p.sq_posted;
   if (signalled) {
-    _ops.emplace(id, std::move(op));
+    Op& slot = p.ops[(p.sq_posted - 1) & (kSqDepth - 1)];
+    slot = std::move(op);
+    slot.live = true;
+    if (!slot.sync) ++p.async_ops;
     p.unsignaled = 0;
   } else {
     ++p.unsignaled;
@@ -482,10 +489,11 @@ void VerbsTransport::complete_op(uint64_t id, const ibv_wc& wc) {
   const int peer = static_cast<int>(id >> 40);
   VPeer& p = _peers[static_cast<size_t>(peer)];
   p.sq_retired = std::max<uint64_t>(p.sq_retired, (id & ((1ull << 40) - 1)) + 1);  // in order: every earlier one is done
-  auto it = _ops.find(id);
-  if (it == _ops.end()) return;
-  Op op = std::move(it->second);
-  _ops.erase(it);
+  Op& slot = p.ops[id & (kSqDepth - 1)];
+  if (!slot.live) return;  // (its peer failed meanwhile: already completed)
+  Op op = std::move(slot);
+  slot = Op{};
+  if (!op.sync) --p.async_ops;
   if (op.sync) {
     _sync_done[id] = wc;
     if (wc.status != IBV_WC_SUCCESS && p.up)
@@ -807,11 +815,11 @@ Status VerbsTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& r) {
       HCOMM_TRY(post_rdma(k.peer, IBV_WR_RDMA_WRITE, a.local, lkey, raddr, k.vrkey, a.len, r, own));
       if (a.notify_rkey != nullptr) {
         // The word goes out when the last data WRITE completed (complete_op).
-        auto it = _ops.find(wr_id(k.peer, _peers[static_cast<size_t>(k.peer)].sq_posted - 1));
-        if (it != _ops.end()) {
-          it->second.notify_addr = a.notify_rkey->h.addr + a.notify_off;
-          it->second.notify_rkey = a.notify_rkey->vrkey;
-          it->second.notify_value = a.notify_value;
+        VPeer& p = _peers[static_cast<size_t>(k.peer)];
+        if (Op& op = p.ops[(p.sq_posted - 1) & (kSqDepth - 1)]; op.live) {
+          op.notify_addr = a.notify_rkey->h.addr + a.notify_off;
+          op.notify_rkey = a.notify_rkey->vrkey;
+          op.notify_value = a.notify_value;
         }
       }
       return Status::ok();
@@ -910,7 +918,7 @@ Status VerbsTransport::flush(int peer, const Deadline& dl) {
   for (;;) {
     poll_send();
     bool busy = false;
-    for (auto& [id, op] : _ops) busy |= !op.sync && (peer < 0 || static_cast<int>(id >> 40) == peer);
+    for (int q = 0; q < _size; ++q) busy |= (peer < 0 || q == peer) && _peers[static_cast<size_t>(q)].async_ops > 0;
     if (!busy) return Status::ok();
     if (dl.expired()) return Status::error(Code::timeout, "flush: RDMA operations still in flight at the deadline");
     cpu_relax();
@@ -1022,16 +1030,14 @@ void VerbsTransport::peer_failed(int peer, const std::string& why) {
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_ERR;
   (void)::ibv_modify_qp(p.qp, &a, IBV_QP_STATE);
-  for (auto it = _ops.begin(); it != _ops.end();) {
-    if (static_cast<int>(it->first >> 40) != peer || it->second.sync) {
-      ++it;
-      continue;
-    }
-    Op& op = it->second;
+  for (Op& slot : p.ops) {
+    if (!slot.live || slot.sync) continue;
+    Op op = std::move(slot);
+    slot = Op{};
+    --p.async_ops;
     if (op.own_mr != nullptr) ::ibv_dereg_mr(op.own_mr);
     if (op.scratch >= 0) _scratch_free.push_back(op.scratch);
     if (op.r) op.r->complete(HCOMM_ERR_PEER_FAILURE, why);
-    it = _ops.erase(it);
   }
 }
 

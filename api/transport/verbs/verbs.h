@@ -125,13 +125,21 @@ class VerbsTransport final : public Transport {
     uint64_t* result = nullptr;   // fetch atomics: copy the scratch slot here
     int scratch = -1;
     bool sync = false;            // a synchronous wait owns it (sync_done)
+    bool live = false;            // in flight (its slot of VPeer::ops)
   };
+  // Signalled work requests in flight, per queue pair, in the slot of their
+  // sequence number: fewer than kSqDepth are ever posted and not retired
+  // (post() waits for room), so live slots never collide; no allocation or
+  // tree per operation.
+  static constexpr uint32_t kSqDepth = 256;
   struct VPeer {
     ibv_qp* qp = nullptr;
     bool up = false;
     uint32_t credits = 0;         // receive buffers the peer has for us
     uint32_t grant_owed = 0;      // buffers we reposted and have not told the peer about
     uint64_t sq_posted = 0, sq_retired = 0;  // work requests on this QP (seq numbers)
+    std::vector<Op> ops;          // kSqDepth slots: signalled requests in flight by seq % kSqDepth
+    uint32_t async_ops = 0;       // live ops no synchronous wait owns (what flush waits for)
     uint64_t am_posted = 0, am_slot_seq[kSendRing] = {};  // AM ring: seq of the WR using each slot
     uint32_t unsignaled = 0;
     // the peer's table, locks and our mailbox there
@@ -206,7 +214,6 @@ class VerbsTransport final : public Transport {
   std::vector<int> _scratch_free;
   std::vector<uint8_t> _bounce;
   ibv_mr* _bounce_mr = nullptr;
-  std::map<uint64_t, Op> _ops;          // signalled work requests by wr_id
   std::map<uint64_t, ibv_wc> _sync_done;  // completions that a synchronous wait collects
 };
 
