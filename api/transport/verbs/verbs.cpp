@@ -810,7 +810,11 @@ Status VerbsTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& r) {
     case Rma::get: {
       uint32_t lkey = 0;
       ibv_mr* own = nullptr;
-      HCOMM_TRY(lkey_of(a.local, a.len, &lkey, &own));
+      if (a.local_mem != nullptr && a.local_mem->verbs_mr != nullptr) {
+        lkey = static_cast<ibv_mr*>(a.local_mem->verbs_mr)->lkey;  // found by the context's checks
+      } else {
+        HCOMM_TRY(lkey_of(a.local, a.len, &lkey, &own));
+      }
       if (a.op == Rma::get) return post_rdma(k.peer, IBV_WR_RDMA_READ, a.local, lkey, raddr, k.vrkey, a.len, r, own);
       HCOMM_TRY(post_rdma(k.peer, IBV_WR_RDMA_WRITE, a.local, lkey, raddr, k.vrkey, a.len, r, own));
       if (a.notify_rkey != nullptr) {
