@@ -10,6 +10,7 @@
 #       perftest, then UCX, -n 1000 each; hcomm with --batch 1: the median of single
 #       iterations, as perftest and UCX report), so that each round's ratios pair tools
 #       measured seconds apart; the table gives every round's ratio and their median
+#       (HCOMM_LAT_ENV="VAR=VALUE ..." is set for hcomm's rounds only, e.g. to try a knob)
 #
 # Each guest first prints `hcomm-probe rdma`. Then, per op:
 #   lat 8 B    hcomm-bench put/put_nbi/get/fetch_add lat   | ib_write_lat, ib_read_lat,
@@ -71,7 +72,7 @@ if [ "$rounds" -gt 0 ]; then
     echo "all probe 30 hcomm-probe rdma && hcomm-probe --json rdma"
     echo "client ping 60 ping -c 1 -w 60 \$HCOMM_PEER"
     for k in $(seq 1 "$rounds"); do
-      hcomm "hcomm_lat_r$k" 400 -t put,put_nbi,get,fetch_add -m lat -s 8 -n 1000 --warmup 50 --batch 1
+      HENV="${HCOMM_LAT_ENV:-}" hcomm "hcomm_lat_r$k" 400 -t put,put_nbi,get,fetch_add -m lat -s 8 -n 1000 --warmup 50 --batch 1
       peer "write_lat_r$k" 200 ib_write_lat -s 8 -n 1000
       peer "read_lat_r$k" 200 ib_read_lat -s 8 -n 1000
       peer "atomic_lat_r$k" 200 ib_atomic_lat -n 1000

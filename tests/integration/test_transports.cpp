@@ -321,6 +321,42 @@ TEST(CppApi, RequestCancelSaysWithdrawnOrCompleted) {
   EXPECT_EQ(err, "");
 }
 
+// hcomm::wait_all: finished requests come back empty (freed once, by the C
+// call); one still pending at the deadline stays and can be waited for again.
+TEST(CppApi, WaitAllEmptiesWhatFinishedAndKeepsWhatDidNot) {
+  std::string err = run_ranks(2, {{"HCOMM_ENGINE", "host"}}, [&](int rank) {
+    hcomm::Context ctx;
+    const int peer = 1 - rank;
+    uint64_t mine[3] = {10u + static_cast<uint64_t>(rank), 20u + static_cast<uint64_t>(rank), 0};
+    uint64_t got[3] = {0, 0, 0};
+    std::vector<hcomm::Request> reqs;
+    reqs.push_back(ctx.irecv(peer, &got[0], 8, 1));
+    reqs.push_back(ctx.isend(peer, &mine[0], 8, 1));
+    reqs.push_back(ctx.irecv(peer, &got[1], 8, 2));
+    reqs.push_back(ctx.isend(peer, &mine[1], 8, 2));
+    reqs.emplace_back();  // empty: skipped
+    hcomm::wait_all(reqs);
+    for (const hcomm::Request& r : reqs) RCHECK(!r) << "a finished request is left empty";
+    RCHECK(got[0] == 10u + static_cast<uint64_t>(peer) && got[1] == 20u + static_cast<uint64_t>(peer));
+    std::vector<hcomm::Request> late;
+    late.push_back(ctx.irecv(peer, &got[2], 8, 3));  // sent after the barrier
+    try {
+      hcomm::wait_all(late, 100);
+      RCHECK(false) << "nothing was sent yet";
+    } catch (const hcomm::Error& e) {
+      RCHECK(e.status() == HCOMM_ERR_TIMEOUT) << e.what();
+    }
+    RCHECK(static_cast<bool>(late[0])) << "still pending: kept";
+    ctx.barrier();
+    uint64_t v = 30u + static_cast<uint64_t>(rank);
+    ctx.send(peer, &v, 8, 3);
+    hcomm::wait_all(late);
+    RCHECK(!late[0] && got[2] == 30u + static_cast<uint64_t>(peer));
+    ctx.finalize();
+  }, 60);
+  EXPECT_EQ(err, "");
+}
+
 TEST(Transports, ConfigFieldWinsOverTheEnvironment) {
   // The config names the set; the (bogus) variable is not looked at.
   std::string err = run_ranks(2, {{"HCOMM_TRANSPORTS", "bogus"}}, [&](int) {

@@ -52,6 +52,10 @@ class Handle {
   }
   ~Handle() { reset(); }
   H* get() const { return _h; }
+  // Gives up the C handle without releasing it (it was released elsewhere,
+  // e.g. by hcomm_wait_all).
+  H* release() noexcept { return std::exchange(_h, nullptr); }
+  explicit operator bool() const noexcept { return _h != nullptr; }
 
  private:
   void reset() {
@@ -93,6 +97,19 @@ class Request : public Handle<hcomm_request_t, detail::free_request> {
     return i;
   }
 };
+
+// Waits for every request under one timeout (hcomm_wait_all). Each finished
+// one is freed and left empty; throws on the first failure (its index in the
+// message) or at the deadline, when the unfinished ones stay as they were.
+// Empty requests are skipped.
+inline void wait_all(std::vector<Request>& reqs, int timeout_ms = kDefaultTimeoutMs) {
+  std::vector<hcomm_request_t*> raw(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) raw[i] = reqs[i].get();
+  const hcomm_status_t s = hcomm_wait_all(raw.data(), raw.size(), nullptr, timeout_ms);
+  for (size_t i = 0; i < reqs.size(); ++i)
+    if (raw[i] == nullptr) (void)reqs[i].release();
+  check(s, "wait_all");
+}
 
 class RemoteKey : public Handle<hcomm_rkey_t, detail::release_rkey> {
  public:
