@@ -122,17 +122,11 @@ echo "compare_rdma: run-rdma pair exit $rc after $(( $(date +%s) - t0 ))s; host 
 grep -E '^(FAIL|ok):' "$out/console.txt" | grep -v '^ok' || true
 
 if [ "$rounds" -gt 0 ]; then
-python3 - "$out/console.txt" "$rounds" <<'EOF' | tee "$out/table-lat.md"
+PYTHONPATH="$root/bench" python3 - "$out/console.txt" "$rounds" <<'EOF' | tee "$out/table-lat.md"
 import json, statistics, sys
-lines = open(sys.argv[1], errors="replace").read().splitlines()
+from rdma_console import read
+perf, bench = read(sys.argv[1])
 rounds = int(sys.argv[2])
-perf, bench = {}, {}
-for l in lines:
-    f = l.split()
-    if len(f) > 3 and f[0] == "HCOMM-PERF" and f[2] == "client":
-        perf[f[1]] = f[3:]
-    elif len(f) > 2 and f[0] == "HCOMM-BENCH":
-        bench.setdefault(f[1], []).append(l.split(" ", 2)[2])
 def hc(k, test):
     try:
         j = json.loads("\n".join(bench.get("hcomm_lat_r%d" % k, [])))
@@ -179,16 +173,10 @@ EOF
 exit $rc
 fi
 
-python3 - "$out/console.txt" <<'EOF' | tee "$out/table.md"
+PYTHONPATH="$root/bench" python3 - "$out/console.txt" <<'EOF' | tee "$out/table.md"
 import json, re, statistics, sys
-lines = open(sys.argv[1], errors="replace").read().splitlines()
-perf, bench = {}, {}
-for l in lines:
-    f = l.split()
-    if len(f) > 3 and f[0] == "HCOMM-PERF" and f[2] == "client":
-        perf[f[1]] = f[3:]
-    elif len(f) > 2 and f[0] == "HCOMM-BENCH":
-        bench.setdefault(f[1], []).append(l.split(" ", 2)[2])
+from rdma_console import read
+perf, bench = read(sys.argv[1])
 hc, transport, by_name = {}, set(), {}
 for name, part in bench.items():
     try:
