@@ -102,7 +102,7 @@ void release_handle(hcomm_request* req) {
 
 // The status a finished request hands back to its caller.
 hcomm_status_t finished(const Request& r) {
-  if (r.status != HCOMM_OK) g_last_error = r.error.empty() ? hcomm_strerror(r.status) : r.error;
+  if (r.status != HCOMM_OK) g_last_error = r.why();
   return r.status;
 }
 
@@ -477,7 +477,7 @@ hcomm_status_t hcomm_wait_all(hcomm_request_t** reqs, size_t count, hcomm_status
       s = r.status;
       if (s != HCOMM_OK && first == HCOMM_OK) {
         first = s;
-        first_error = "request " + std::to_string(i) + ": " + (r.error.empty() ? hcomm_strerror(s) : r.error);
+        first_error = "request " + std::to_string(i) + ": " + r.why();
       }
       release_handle(q);
     }

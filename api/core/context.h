@@ -91,6 +91,8 @@ struct Request {
   // read a finished request without the context lock.
   std::atomic<bool> settled{false};
   bool done() const { return status != HCOMM_IN_PROGRESS; }
+  // What a failed request says: its detail, or its status's text.
+  std::string why() const { return error.empty() ? hcomm_strerror(status) : error; }
   void complete(hcomm_status_t st) {  // error stays empty
     if (done()) return;
     status = st;

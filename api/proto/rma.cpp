@@ -157,7 +157,7 @@ Status Context::reap_implicit(int peer, const Deadline& dl, bool take) {
     if (!covered(*r)) return false;
     if (first && r->status != HCOMM_OK)
       first = Status(from_hcomm(r->status), "an implicit (_nbi) operation to rank " + std::to_string(r->peer) +
-                                                " failed: " + (r->error.empty() ? hcomm_strerror(r->status) : r->error));
+                                                " failed: " + r->why());
     return true;
   });
   return first;

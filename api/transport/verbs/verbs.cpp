@@ -427,9 +427,9 @@ Status VerbsTransport::post(int peer, ibv_send_wr& wr, Op op, bool signalled) {
   if (!p.up) return Status::error(Code::peer_failure, "verbs: the queue pair to rank %d is down", peer);
   // Room in the send queue: unsignalled requests hold their entries until a
   // later signalled one completes.
-  static_assert(kSqDepth > 255, "a live slot could be reused");
-  if (p.sq_posted - p.sq_retired + 1 >= 255) {  // (the clock is read only when it has to wait)
-    for (Deadline dl = Deadline::after_ms(30000); p.sq_posted - p.sq_retired + 1 >= 255;) {
+  auto full = [&p] { return p.sq_posted - p.sq_retired + 1 >= kSqRoom; };
+  if (full()) {  // (the clock is read only when it has to wait)
+    for (Deadline dl = Deadline::after_ms(30000); full();) {
       poll_send();
       if (!p.up) return Status::error(Code::peer_failure, "verbs: the queue pair to rank %d is down", peer);
       if (dl.expired()) return Status::error(Code::no_resource, "verbs: send queue to rank %d full until the deadline", peer);
@@ -788,9 +788,9 @@ Status VerbsTransport::validate(const hcomm_rkey& k) const {
   return Status::ok();
 }
 
-Status VerbsTransport::lkey_of(const void* p, size_t len, uint32_t* lkey, ibv_mr** own) {
+Status VerbsTransport::lkey_of(const void* p, size_t len, uint32_t* lkey, ibv_mr** own, const hcomm_mem* known) {
   *own = nullptr;
-  const hcomm_mem* m = _ctx.find_local(p, len);
+  const hcomm_mem* m = known != nullptr ? known : _ctx.find_local(p, len);
   if (m != nullptr && m->verbs_mr != nullptr) {
     *lkey = static_cast<ibv_mr*>(m->verbs_mr)->lkey;
     return Status::ok();
@@ -810,11 +810,7 @@ Status VerbsTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& r) {
     case Rma::get: {
       uint32_t lkey = 0;
       ibv_mr* own = nullptr;
-      if (a.local_mem != nullptr && a.local_mem->verbs_mr != nullptr) {
-        lkey = static_cast<ibv_mr*>(a.local_mem->verbs_mr)->lkey;  // found by the context's checks
-      } else {
-        HCOMM_TRY(lkey_of(a.local, a.len, &lkey, &own));
-      }
+      HCOMM_TRY(lkey_of(a.local, a.len, &lkey, &own, a.local_mem));  // (found by the context's checks)
       if (a.op == Rma::get) return post_rdma(k.peer, IBV_WR_RDMA_READ, a.local, lkey, raddr, k.vrkey, a.len, r, own);
       HCOMM_TRY(post_rdma(k.peer, IBV_WR_RDMA_WRITE, a.local, lkey, raddr, k.vrkey, a.len, r, own));
       if (a.notify_rkey != nullptr) {

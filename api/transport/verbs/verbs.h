@@ -132,6 +132,10 @@ class VerbsTransport final : public Transport {
   // (post() waits for room), so live slots never collide; no allocation or
   // tree per operation.
   static constexpr uint32_t kSqDepth = 256;
+  // Work requests one queue pair holds posted and not retired, at most
+  // (post() waits for room): below max_send_wr, and below kSqDepth.
+  static constexpr uint64_t kSqRoom = 255;
+  static_assert(kSqDepth > kSqRoom, "a live slot could be reused");
   struct VPeer {
     ibv_qp* qp = nullptr;
     bool up = false;
@@ -165,7 +169,8 @@ class VerbsTransport final : public Transport {
   Status sync_atomic(int peer, ibv_wr_opcode opc, uint64_t raddr, uint32_t rkey, uint64_t compare_add, uint64_t swap,
                      uint64_t* old);
   Status accumulate(const RmaOp& a);
-  Status lkey_of(const void* p, size_t len, uint32_t* lkey, ibv_mr** own);
+  // known: the registration holding [p, p+len) when the caller found it already.
+  Status lkey_of(const void* p, size_t len, uint32_t* lkey, ibv_mr** own, const hcomm_mem* known = nullptr);
   uint64_t wr_id(int peer, uint64_t seq) const { return (uint64_t(uint32_t(peer)) << 40) | (seq & ((1ull << 40) - 1)); }
   uint8_t* recv_buf(int peer, uint32_t i) const;
   uint8_t* send_buf(int peer, uint32_t i) const;
