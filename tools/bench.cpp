@@ -29,6 +29,11 @@
 //   acc lat        one blocking hcomm_accumulate (fp32 sum), target passive;
 //                  sample = the whole call (completion at the target).
 //   fetch_add lat  one blocking hcomm_fetch_add (8 bytes), target passive.
+//                  Passive = waiting in a barrier (it naps after a spin), or
+//                  with --passive spin polling a word of its memory until the
+//                  initiator's put after the timed loop (ucx_perftest's get
+//                  and fadd targets poll; perftest's servers sleep; where the
+//                  NIC is software, a halted CPU answers later).
 //   memcpy lat     one memcpy of the size between two hot registered buffers
 //                  of rank 0 (the physical limit of a single-copy transfer).
 //   bw (all)       windows of `--window` nonblocking operations, then wait
@@ -98,6 +103,7 @@ struct Options {
   std::string format = "text";
   std::string output;
   unsigned mem_kind = HCOMM_MEM_HOST;
+  bool passive_spin = false;  // --passive spin: the target of get/acc/fetch_add polls a word instead of a barrier
 };
 
 const std::vector<std::string> kBasicTests = {"send_recv", "put", "get", "acc", "put_notify", "fetch_add"};
@@ -125,6 +131,9 @@ void usage(FILE* f) {
                "                       fewer than 320; 1 = the median of single iterations, as\n"
                "                       perftest's t_typical and ucx_perftest's typical)\n"
                "      --mem host|device  memory of the buffers (device: NPU engine HBM)\n"
+               "      --passive wait|spin  get/acc/fetch_add lat: the target waits in a barrier\n"
+               "                       (default) or polls a word of its memory that the initiator\n"
+               "                       writes at the end, as ucx_perftest's target does\n"
                "      --json | --csv   machine-readable output instead of the table\n"
                "  -o, --output FILE    write the output to FILE (rank 0) instead of stdout\n");
 }
@@ -208,6 +217,11 @@ Options parse(int argc, char** argv) {
       if (m == "host") o.mem_kind = HCOMM_MEM_HOST;
       else if (m == "device") o.mem_kind = HCOMM_MEM_DEVICE;
       else throw std::runtime_error("--mem is host or device");
+    } else if (a == "--passive") {
+      std::string m = need(i);
+      if (m == "wait") o.passive_spin = false;
+      else if (m == "spin") o.passive_spin = true;
+      else throw std::runtime_error("--passive is wait or spin");
     } else if (a == "--json") {
       o.format = "json";
     } else if (a == "--csv") {
@@ -225,6 +239,8 @@ Options parse(int argc, char** argv) {
   }
   for (size_t s : o.sizes)
     if (s == 0) throw std::runtime_error("size 0 is not measured");
+  if (o.passive_spin && o.mem_kind != HCOMM_MEM_HOST)
+    throw std::runtime_error("--passive spin polls host memory: not with --mem device");
   return o;
 }
 
@@ -422,9 +438,18 @@ class Bench {
         if (init) hcomm::check(hcomm_notify_wait(c, _mem.get(), _flags, seq, kTimeoutMs), "notify_wait");
         bt.end(i, 2);
       }
-    } else if (init && (t == "get" || t == "acc" || t == "fetch_add")) {
+    } else if ((t == "get" || t == "acc" || t == "fetch_add") && (init || (target && _o.passive_spin))) {
+      // --passive spin: the target polls the word at _flags + 24 until the
+      // initiator's last put (after the timed loop) writes this test's number,
+      // so its CPU stays busy as ucx_perftest's target's does; otherwise it
+      // waits in the barrier below.
+      const uint64_t done = ++_tests_run;
+      if (target) {
+        auto w = word(_flags + 24);
+        spin_until(w, done);
+      }
       uint64_t old = 0;
-      for (long i = 0; i < total; ++i) {
+      for (long i = 0; init && i < total; ++i) {
         bt.begin(i);
         if (t == "get") hcomm::check(hcomm_get(c, local(), n, _key[_peer].get(), 0, kTimeoutMs), "get");
         else if (t == "acc")
@@ -432,6 +457,10 @@ class Bench {
                        "accumulate");
         else hcomm::check(hcomm_fetch_add(c, _key[_peer].get(), _flags + 16, 1, &old, kTimeoutMs), "fetch_add");
         bt.end(i, 1);
+      }
+      if (init && _o.passive_spin) {
+        std::memcpy(local(), &done, 8);
+        hcomm::check(hcomm_put(c, local(), 8, _key[_peer].get(), _flags + 24, kTimeoutMs), "put (end of test)");
       }
     }
     _c.barrier(kTimeoutMs);
@@ -688,6 +717,7 @@ class Bench {
   int _rank = 0, _size = 1, _peer = 1;
   size_t _max = 0;
   uint64_t _flags = 0;
+  uint64_t _tests_run = 0;  // --passive spin: the value that ends the target's poll
   uint64_t _key_seq = 0;
   hcomm::Memory _mem;
   std::vector<hcomm::RemoteKey> _key;

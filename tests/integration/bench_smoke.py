@@ -4,6 +4,7 @@ checks that the machine-readable output parses and covers what was asked.
 No timing is asserted: the numbers only have to be present and finite.
 
   bench_smoke.py HCOMM_RUN HCOMM_BENCH [--engine host|npu] [--tests LIST] [--sizes LIST]
+                 [--extra "OPTIONS"]   (more hcomm-bench options, e.g. "--passive spin")
 """
 import argparse
 import csv
@@ -22,7 +23,7 @@ def run(args, fmt, out):
     if args.engine == "npu":
         cmd.append("--sim")
     cmd += ["--", args.bench, "-t", args.tests, "-s", args.sizes, "--scale", "0.01", "-w", "4",
-            "--" + fmt, "-o", out]
+            "--" + fmt, "-o", out] + args.extra.split()
     env = dict(os.environ, HCOMM_ENGINE=args.engine)
     p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     if p.returncode != 0:
@@ -55,6 +56,7 @@ def main():
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--tests", default="send_recv,put,get,acc,put_notify,fetch_add,memcpy,ps,pipe_sr,pipe_pn")
     ap.add_argument("--sizes", default="8,64K")
+    ap.add_argument("--extra", default="")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "bench.json")
