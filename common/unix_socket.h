@@ -48,6 +48,42 @@ inline const char* io_name(Io io) {
   return "?";
 }
 
+// SCM_RIGHTS, the one home of the control-message handling that the
+// vfio-user link and the api's mesh (api/wireup/mesh.cpp) both need.
+// Attaches `fds` to `mh` as one SCM_RIGHTS message built in `cbuf`, which
+// holds at least CMSG_SPACE(sizeof(int) * fds.size()) bytes, aligned for
+// cmsghdr. No fds: no control message.
+inline void attach_fds(msghdr* mh, void* cbuf, std::span<const int> fds) {
+  if (fds.empty()) return;
+  std::memset(cbuf, 0, CMSG_SPACE(sizeof(int) * fds.size()));
+  mh->msg_control = cbuf;
+  mh->msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+  cmsghdr* c = CMSG_FIRSTHDR(mh);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+  std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+}
+
+// Every descriptor that arrived with `mh` (recvmsg's result), each owned by a
+// UniqueFd the moment it is seen: appended to *out, or closed at once when out
+// is null, so that no path can leak one into the process.
+inline void take_fds(msghdr* mh, std::vector<UniqueFd>* out) {
+  for (cmsghdr* c = CMSG_FIRSTHDR(mh); c != nullptr; c = CMSG_NXTHDR(mh, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+      if (out != nullptr) {
+        out->emplace_back(fd);
+      } else {
+        UniqueFd drop(fd);
+      }
+    }
+  }
+}
+
 // Wait until `fd` is ready for `events` or the deadline / abort_fd fires.
 // abort_fd < 0: none.
 inline Io wait_fd(int fd, short events, const Deadline& dl, int abort_fd, int* err) {
@@ -101,19 +137,7 @@ inline Io recv_exact(int fd, void* buf, size_t len, const Deadline& dl, int abor
       *err = errno;
       return Io::error;
     }
-    for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
-      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-      size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (size_t i = 0; i < count; ++i) {
-        int rfd;
-        std::memcpy(&rfd, CMSG_DATA(c) + i * sizeof(int), sizeof rfd);
-        if (fds != nullptr) {
-          fds->emplace_back(rfd);
-        } else {
-          UniqueFd drop(rfd);
-        }
-      }
-    }
+    take_fds(&mh, fds);
     if ((mh.msg_flags & MSG_CTRUNC) && ctrunc != nullptr) *ctrunc = true;
     if (n == 0) return Io::eof;
     *got += static_cast<size_t>(n);
@@ -142,14 +166,8 @@ inline Io send_all(int fd, std::span<const uint8_t> a, std::span<const uint8_t> 
     mh.msg_iov = iov;
     mh.msg_iovlen = static_cast<size_t>(niov);
     if (sent == 0 && !send_fds.empty()) {
-      cbuf.assign(CMSG_SPACE(sizeof(int) * send_fds.size()), 0);
-      mh.msg_control = cbuf.data();
-      mh.msg_controllen = cbuf.size();
-      cmsghdr* c = CMSG_FIRSTHDR(&mh);
-      c->cmsg_level = SOL_SOCKET;
-      c->cmsg_type = SCM_RIGHTS;
-      c->cmsg_len = CMSG_LEN(sizeof(int) * send_fds.size());
-      std::memcpy(CMSG_DATA(c), send_fds.data(), sizeof(int) * send_fds.size());
+      cbuf.resize(CMSG_SPACE(sizeof(int) * send_fds.size()));
+      attach_fds(&mh, cbuf.data(), send_fds);
     }
     ssize_t n = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n < 0) {

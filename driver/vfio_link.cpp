@@ -94,7 +94,7 @@ VfioSys& VfioSys::real() {
 VfioLink::VfioLink(VfioSys* sys, std::string addr, const VfioOptions& opts)
     : _sys(sys), _addr(std::move(addr)), _opts(opts) {
   _maps.fill(nullptr);
-  _iova_free.emplace(opts.iova_base, opts.iova_limit - opts.iova_base);
+  _iova = RangeAllocator(opts.iova_base, opts.iova_limit - opts.iova_base);
 }
 
 VfioLink::~VfioLink() {
@@ -596,14 +596,8 @@ Status VfioLink::dma_map_segments(void* vaddr, uint64_t len, int fd, uint64_t fd
 }
 
 Status VfioLink::iova_alloc(uint64_t len, uint64_t* iova) {
-  // First fit over the free list; cold path, the list stays short.
-  for (auto it = _iova_free.begin(); it != _iova_free.end(); ++it) {
-    if (it->second < len) continue;
-    const uint64_t start = it->first;
-    const uint64_t left = it->second - len;
-    _iova_free.erase(it);
-    if (left != 0) _iova_free.emplace(start + len, left);
-    *iova = start;
+  if (const std::optional<uint64_t> at = _iova.take(len)) {
+    *iova = *at;
     return Status::ok();
   }
   return Status::error(Code::no_resource, "vfio %s: IOVA space exhausted (%llu bytes requested)", _addr.c_str(),
@@ -611,19 +605,8 @@ Status VfioLink::iova_alloc(uint64_t len, uint64_t* iova) {
 }
 
 void VfioLink::iova_free(uint64_t iova, uint64_t len) {
-  auto it = _iova_free.emplace(iova, len).first;
-  auto next = std::next(it);
-  if (next != _iova_free.end() && it->first + it->second == next->first) {
-    it->second += next->second;
-    _iova_free.erase(next);
-  }
-  if (it != _iova_free.begin()) {
-    auto prev = std::prev(it);
-    if (prev->first + prev->second == it->first) {
-      prev->second += it->second;
-      _iova_free.erase(it);
-    }
-  }
+  // A range given back twice is refused and leaves the free list intact.
+  (void)_iova.give(iova, len);
 }
 
 // fd / fd_offset are not needed: the kernel pins the pages through vaddr.

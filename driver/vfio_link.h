@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "common/range_alloc.h"
 #include "driver/link.h"
 
 namespace hcomm::driver {
@@ -165,8 +166,8 @@ class VfioLink final : public Link {
   std::map<uint64_t, Mapping> _mappings;
   // iova-mode=pa views sharing a mapping: bus address -> owner.
   std::multimap<uint64_t, View> _views;
-  // Free IOVA ranges: start -> length, disjoint and coalesced.
-  std::map<uint64_t, uint64_t> _iova_free;
+  // Free IOVA ranges.
+  RangeAllocator _iova;
 };
 
 // Finds the IOMMU group of `pci_addr` in sysfs (PciScanner on

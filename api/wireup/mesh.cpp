@@ -24,6 +24,7 @@
 #include "api/wireup/byte_order.h"
 #include "api/wireup/host.h"
 #include "api/wireup/mesh_wire.h"
+#include "common/unix_socket.h"
 
 namespace hcomm::api {
 
@@ -53,17 +54,8 @@ Status send_packet(int fd, const void* data, size_t len, std::span<const int> fd
   msghdr mh{};
   mh.msg_iov = &iov;
   mh.msg_iovlen = 1;
-  alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * kMaxMsgFds)];
-  if (!fds.empty()) {
-    std::memset(cbuf, 0, sizeof cbuf);
-    mh.msg_control = cbuf;
-    mh.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
-    cmsghdr* c = CMSG_FIRSTHDR(&mh);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-    std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
-  }
+  alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * kMaxMsgFds)];  // send_msg checked the count
+  unix_socket::attach_fds(&mh, cbuf, fds);
   for (;;) {
     ssize_t n = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n == static_cast<ssize_t>(len)) return Status::ok();
@@ -112,15 +104,7 @@ Status recv_packet(int fd, std::vector<uint8_t>* out, std::vector<UniqueFd>* fds
     // Take ownership of every descriptor first, so that each error path
     // below closes them instead of leaking them into this process.
     std::vector<UniqueFd> got;
-    for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
-      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-      size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (size_t i = 0; i < count; ++i) {
-        int v;
-        std::memcpy(&v, CMSG_DATA(c) + i * sizeof(int), sizeof v);
-        got.emplace_back(v);
-      }
-    }
+    unix_socket::take_fds(&mh, &got);
     out->resize(static_cast<size_t>(n));
     if (n == 0)
       return Status::error(Code::peer_failure, "%s closed its connection (exited or killed?)",

@@ -50,7 +50,7 @@ Status NpuTransport::open(const std::string& name, int rank, ShmTransport& node,
   HCOMM_TRY(driver::DmaBuffer::allocate(4096, -1, &t->_scratch));
   HCOMM_TRY(t->_dev->map_buffer(t->_scratch, hal::npu::access::RW, &t->_scratch_map));
   for (uint32_t i = 0; i < 4096 / 8; ++i) t->_scratch_free.push_back(i);
-  t->_hbm_free[0] = t->_dev->info().hbm_size;
+  t->_hbm = RangeAllocator(0, t->_dev->info().hbm_size);
   t->_caps.put = t->_caps.get = t->_caps.atomic64 = t->_caps.reduce = t->_caps.notify = true;
   t->_caps.max_zcopy = 0;
   *out = std::move(t);
@@ -66,15 +66,11 @@ NpuTransport::~NpuTransport() {
 
 Status NpuTransport::alloc_hbm(hcomm_mem& m) {
   const uint64_t want = (m.size + 4095) & ~uint64_t{4095};
-  auto it = _hbm_free.begin();
-  while (it != _hbm_free.end() && it->second < want) ++it;
-  if (it == _hbm_free.end())
+  const std::optional<uint64_t> at = _hbm.take(want);
+  if (!at)
     return Status::error(Code::no_resource, "no %zu free bytes of device memory (HBM %lu bytes)", m.size,
                          static_cast<unsigned long>(_dev->info().hbm_size));
-  m.hbm_offset = it->first;
-  uint64_t left = it->second - want;
-  _hbm_free.erase(it);
-  if (left > 0) _hbm_free[m.hbm_offset + want] = left;
+  m.hbm_offset = *at;
   m.ptr = _dev->hbm() != nullptr ? _dev->hbm() + m.hbm_offset : nullptr;
   if (m.ptr != nullptr) std::memset(m.ptr, 0, m.size);
   return Status::ok();
@@ -102,20 +98,8 @@ void NpuTransport::mem_remove(hcomm_mem& m) {
   (void)flush(-1, Deadline::after_ms(30000));
   if (m.npu.valid()) (void)_dev->unmap(&m.npu);
   if (m.kind != MemKind::device || m.size == 0) return;
-  _hbm_free[m.hbm_offset] = (m.size + 4095) & ~uint64_t{4095};
-  // Coalesce with neighbours.
-  auto it = _hbm_free.find(m.hbm_offset);
-  if (auto nx = std::next(it); nx != _hbm_free.end() && it->first + it->second == nx->first) {
-    it->second += nx->second;
-    _hbm_free.erase(nx);
-  }
-  if (it != _hbm_free.begin()) {
-    auto pv = std::prev(it);
-    if (pv->first + pv->second == it->first) {
-      pv->second += it->second;
-      _hbm_free.erase(it);
-    }
-  }
+  // A range given back twice is refused and leaves the free list intact.
+  (void)_hbm.give(m.hbm_offset, (m.size + 4095) & ~uint64_t{4095});
 }
 
 bool NpuTransport::pack(const hcomm_mem& m, uint8_t* sec, size_t* len) const {

@@ -15,6 +15,7 @@
 
 #include "api/transport/shm/shm.h"
 #include "api/transport/transport.h"
+#include "common/range_alloc.h"
 #include "driver/dma_memory.h"
 #include "hal/npu/device.h"
 #include "hal/npu/dma_queue.h"
@@ -67,7 +68,7 @@ class NpuTransport final : public Transport {
   driver::DmaBuffer _scratch;  // fetch-atomic results
   hal::npu::Mapping _scratch_map;
   std::vector<uint32_t> _scratch_free;
-  std::map<uint64_t, uint64_t> _hbm_free;  // offset -> size
+  RangeAllocator _hbm;  // free device-memory offsets (4 KiB multiples)
   Status _lost;  // !ok: the device is gone
 };
 
