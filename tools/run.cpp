@@ -230,155 +230,194 @@ void signal_group(const Child& c, int sig) {
   if (c.pid > 0) ::kill(-c.pid, sig);
 }
 
-}  // namespace
+// One run: the simulator when wanted, the ranks, and the event loop that
+// relays their output, fires the timers and reaps them. Each step is a
+// method; run() strings them together.
+class Launcher {
+ public:
+  explicit Launcher(RunOptions opt) : _opt(std::move(opt)) {}
+  ~Launcher() {
+    if (_sfd >= 0) ::close(_sfd);
+  }
+  Launcher(const Launcher&) = delete;
+  Launcher& operator=(const Launcher&) = delete;
 
-int main(int argc, char** argv) {
-  RunOptions opt = parse(argc, argv);
+  // The whole run; returns hcomm-run's exit status (see the header comment).
+  int run() {
+    if (!watch_signals() || !make_env() || !start_sim()) return 2;
+    _ranks.resize(static_cast<size_t>(_opt.n));
+    if (_opt.timeout_s > 0) _run_deadline = Clock::now() + seconds(_opt.timeout_s);
+    if (_sim) {
+      _sim_ready_by = Clock::now() + std::chrono::seconds(15);
+    } else {
+      start_ranks();
+    }
+    while (!finished()) {
+      if (_sim && !_started && !_stopping) await_sim();
+      fire_timers();
+      poll_once();
+      reap();
+    }
+    close_pipes();
+    stop_sim();
+    return exit_status();
+  }
+
+ private:
+  static Clock::duration seconds(double s) {
+    return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+  }
 
   // Signals arrive through a signalfd, in the one event loop: no handlers,
   // no EINTR races. Children get the old mask back before exec.
-  sigset_t mask;
-  sigemptyset(&mask);
-  for (int s : {SIGCHLD, SIGINT, SIGTERM, SIGHUP}) sigaddset(&mask, s);
-  ::sigprocmask(SIG_BLOCK, &mask, &g_old_mask);
-  ::signal(SIGPIPE, SIG_IGN);
-  int sfd = ::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
-  if (sfd < 0) {
-    std::perror("hcomm-run: signalfd");
-    return 2;
+  bool watch_signals() {
+    sigset_t mask;
+    sigemptyset(&mask);
+    for (int s : {SIGCHLD, SIGINT, SIGTERM, SIGHUP}) sigaddset(&mask, s);
+    ::sigprocmask(SIG_BLOCK, &mask, &g_old_mask);
+    ::signal(SIGPIPE, SIG_IGN);
+    _sfd = ::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (_sfd < 0) std::perror("hcomm-run: signalfd");
+    return _sfd >= 0;
   }
 
-  int port = free_port();
-  if (port < 0) {
-    std::perror("hcomm-run: picking a free port");
-    return 2;
+  // The variables every rank gets (RANK and LOCAL_RANK are added per rank).
+  bool make_env() {
+    const int port = free_port();
+    if (port < 0) {
+      std::perror("hcomm-run: picking a free port");
+      return false;
+    }
+    timespec ts{};
+    ::clock_gettime(CLOCK_REALTIME, &ts);
+    char job[64];
+    std::snprintf(job, sizeof job, "hcomm-run-%d-%lx%09ld", static_cast<int>(::getpid()),
+                  static_cast<unsigned long>(ts.tv_sec), static_cast<long>(ts.tv_nsec));
+    _env = {
+        {"WORLD_SIZE", std::to_string(_opt.n)},       {"LOCAL_WORLD_SIZE", std::to_string(_opt.n)},
+        {"MASTER_ADDR", "127.0.0.1"},                 {"MASTER_PORT", std::to_string(port)},
+        {"HCOMM_JOB_ID", job},
+    };
+    return true;
   }
-  timespec ts{};
-  ::clock_gettime(CLOCK_REALTIME, &ts);
-  char job[64];
-  std::snprintf(job, sizeof job, "hcomm-run-%d-%lx%09ld", static_cast<int>(::getpid()),
-                static_cast<unsigned long>(ts.tv_sec), static_cast<long>(ts.tv_nsec));
-
-  std::vector<std::pair<std::string, std::string>> env = {
-      {"WORLD_SIZE", std::to_string(opt.n)},       {"LOCAL_WORLD_SIZE", std::to_string(opt.n)},
-      {"MASTER_ADDR", "127.0.0.1"},                {"MASTER_PORT", std::to_string(port)},
-      {"HCOMM_JOB_ID", job},
-  };
 
   // The simulator, when wanted. It is a Child too, so its output is prefixed
   // and its exit is reaped by the same loop.
-  std::optional<Child> sim;
-  std::string sim_dir;
-  if (wants_sim(opt)) {
+  bool start_sim() {
+    if (!wants_sim(_opt)) return true;
     char tmpl[] = "/tmp/hcomm-run-sim-XXXXXX";
     if (::mkdtemp(tmpl) == nullptr) {
       std::perror("hcomm-run: mkdtemp");
-      return 2;
+      return false;
     }
-    sim_dir = tmpl;
-    int devices = opt.sim_devices > 0 ? opt.sim_devices : std::max(opt.n, 2);
-    sim.emplace();
-    if (!spawn({sim_binary(), "--dir", sim_dir, "--devices", std::to_string(devices)}, {}, "[sim] ", &*sim)) {
+    _sim_dir = tmpl;
+    const int devices = _opt.sim_devices > 0 ? _opt.sim_devices : std::max(_opt.n, 2);
+    _sim.emplace();
+    if (!spawn({sim_binary(), "--dir", _sim_dir, "--devices", std::to_string(devices)}, {}, "[sim] ", &*_sim)) {
       std::perror("hcomm-run: starting hcomm-sim");
-      return 2;
+      return false;
     }
-    env.emplace_back("HCOMM_SIM_DIR", sim_dir);
+    _env.emplace_back("HCOMM_SIM_DIR", _sim_dir);
+    return true;
   }
 
-  std::vector<Child> ranks(static_cast<size_t>(opt.n));
-  auto now = Clock::now;
-  std::optional<Clock::time_point> run_deadline;
-  if (opt.timeout_s > 0)
-    run_deadline = now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(opt.timeout_s));
-  std::optional<Clock::time_point> grace_at, kill_at, drain_until, sim_ready_by;
-  int interrupted = 0;
-  bool timed_out = false, stopping = false, grace_started = false, started = false, startup_failed = false;
-  bool sim_died = false;
-  if (sim) sim_ready_by = now() + std::chrono::seconds(15);
-
-  auto live = [&] {
-    int k = 0;
-    for (auto& c : ranks) k += c.pid > 0;
-    return k;
-  };
-  // Asks every live rank to stop; SIGKILL follows kKillDelay later.
-  auto stop_all = [&] {
-    if (stopping) return;
-    stopping = true;
-    for (auto& c : ranks)
-      if (c.pid > 0) {
-        c.stopped_by_us = true;
-        signal_group(c, SIGTERM);
-      }
-    kill_at = now() + kKillDelay;
-  };
-  auto start_ranks = [&] {
-    started = true;
-    for (int r = 0; r < opt.n; ++r) {
-      auto e = env;
+  void start_ranks() {
+    _started = true;
+    for (int r = 0; r < _opt.n; ++r) {
+      auto e = _env;
       e.emplace_back("RANK", std::to_string(r));
       e.emplace_back("LOCAL_RANK", std::to_string(r));
-      if (!spawn(opt.argv, e, "[" + std::to_string(r) + "] ", &ranks[static_cast<size_t>(r)])) {
+      if (!spawn(_opt.argv, e, "[" + std::to_string(r) + "] ", &_ranks[static_cast<size_t>(r)])) {
         std::perror("hcomm-run: fork");
-        startup_failed = true;
+        _startup_failed = true;
         stop_all();
         return;
       }
     }
-  };
-  if (!sim) start_ranks();
+  }
 
-  for (;;) {
-    // Starting: wait for the simulator's ready file before any rank runs.
-    if (sim && !started && !stopping) {
-      if (std::filesystem::exists(sim_dir + "/ready")) {
-        sim_ready_by.reset();
-        start_ranks();
-      } else if (sim->pid < 0 || now() >= *sim_ready_by) {
-        std::fprintf(stderr, "hcomm-run: hcomm-sim %s\n",
-                     sim->pid < 0 ? "exited during start-up" : "was not ready within 15 s");
-        startup_failed = true;
-        stopping = true;
-        sim_ready_by.reset();
+  int live() const {
+    int k = 0;
+    for (const auto& c : _ranks) k += c.pid > 0;
+    return k;
+  }
+
+  // Asks every live rank to stop; SIGKILL follows kKillDelay later.
+  void stop_all() {
+    if (_stopping) return;
+    _stopping = true;
+    for (auto& c : _ranks)
+      if (c.pid > 0) {
+        c.stopped_by_us = true;
+        signal_group(c, SIGTERM);
       }
+    _kill_at = Clock::now() + kKillDelay;
+  }
+
+  // Starting: the ranks wait for the simulator's ready file.
+  void await_sim() {
+    if (std::filesystem::exists(_sim_dir + "/ready")) {
+      _sim_ready_by.reset();
+      start_ranks();
+    } else if (_sim->pid < 0 || Clock::now() >= *_sim_ready_by) {
+      std::fprintf(stderr, "hcomm-run: hcomm-sim %s\n",
+                   _sim->pid < 0 ? "exited during start-up" : "was not ready within 15 s");
+      _startup_failed = true;
+      _stopping = true;
+      _sim_ready_by.reset();
     }
-    bool ranks_done = (started || stopping) && live() == 0;
+  }
+
+  // Done when every rank has been reaped and its pipes are drained. Each
+  // group was killed when its rank was reaped, so the pipes reach EOF at
+  // once; the bound only guards against a process that left its group and
+  // kept a pipe.
+  bool finished() {
+    const bool ranks_done = (_started || _stopping) && live() == 0;
+    if (!ranks_done) return false;
     bool pipes_open = false;
-    for (auto& c : ranks) pipes_open |= c.out.fd >= 0 || c.err.fd >= 0;
-    // Each group was killed when its rank was reaped, so the pipes reach
-    // EOF at once; the bound only guards against a process that left its
-    // group and kept a pipe.
-    if (ranks_done && !drain_until) drain_until = now() + std::chrono::seconds(1);
-    if (ranks_done && (!pipes_open || now() >= *drain_until)) break;
+    for (const auto& c : _ranks) pipes_open |= c.out.fd >= 0 || c.err.fd >= 0;
+    if (!_drain_until) _drain_until = Clock::now() + std::chrono::seconds(1);
+    return !pipes_open || Clock::now() >= *_drain_until;
+  }
 
-    // Timers.
-    auto t = now();
-    if (run_deadline && t >= *run_deadline && !timed_out && !ranks_done) {
-      timed_out = true;
-      std::fprintf(stderr, "hcomm-run: timeout after %g s, stopping all ranks\n", opt.timeout_s);
+  void fire_timers() {
+    const auto t = Clock::now();
+    const bool ranks_done = (_started || _stopping) && live() == 0;
+    if (_run_deadline && t >= *_run_deadline && !_timed_out && !ranks_done) {
+      _timed_out = true;
+      std::fprintf(stderr, "hcomm-run: timeout after %g s, stopping all ranks\n", _opt.timeout_s);
       stop_all();
     }
-    if (timed_out) run_deadline.reset();  // fired timers leave the poll timeout alone
-    if (grace_at && t >= *grace_at) {
-      if (!stopping) std::fprintf(stderr, "hcomm-run: grace period over, stopping the remaining ranks\n");
+    if (_timed_out) _run_deadline.reset();  // fired timers leave the poll timeout alone
+    if (_grace_at && t >= *_grace_at) {
+      if (!_stopping) std::fprintf(stderr, "hcomm-run: grace period over, stopping the remaining ranks\n");
       stop_all();
-      grace_at.reset();
+      _grace_at.reset();
     }
-    if (kill_at && t >= *kill_at) {
-      for (auto& c : ranks) signal_group(c, SIGKILL);
-      kill_at.reset();
+    if (_kill_at && t >= *_kill_at) {
+      for (auto& c : _ranks) signal_group(c, SIGKILL);
+      _kill_at.reset();
     }
+  }
+
+  // Until the next timer (at most 1 s; 10 ms while the simulator starts).
+  int wait_ms() const {
     std::optional<Clock::time_point> next;
-    for (auto& tp : {run_deadline, grace_at, kill_at, drain_until, sim_ready_by})
+    for (const auto& tp : {_run_deadline, _grace_at, _kill_at, _drain_until, _sim_ready_by})
       if (tp && (!next || *tp < *next)) next = tp;
-    int wait_ms = -1;
+    int ms = -1;
     if (next) {
-      auto ms = std::chrono::ceil<std::chrono::milliseconds>(*next - now()).count();
-      wait_ms = static_cast<int>(std::clamp<long long>(ms, 0, 1000));
+      const auto left = std::chrono::ceil<std::chrono::milliseconds>(*next - Clock::now()).count();
+      ms = static_cast<int>(std::clamp<long long>(left, 0, 1000));
     }
-    if (sim && !started) wait_ms = wait_ms < 0 ? 10 : std::min(wait_ms, 10);
+    if (_sim && !_started) ms = ms < 0 ? 10 : std::min(ms, 10);
+    return ms;
+  }
 
-    std::vector<pollfd> pfds{{sfd, POLLIN, 0}};
+  // Relays what the children wrote and handles the signals that came.
+  void poll_once() {
+    std::vector<pollfd> pfds{{_sfd, POLLIN, 0}};
     std::vector<Stream*> streams{nullptr};
     auto add = [&](Stream& s) {
       if (s.fd >= 0) {
@@ -386,104 +425,136 @@ int main(int argc, char** argv) {
         streams.push_back(&s);
       }
     };
-    for (auto& c : ranks) add(c.out), add(c.err);
-    if (sim) add(sim->out), add(sim->err);
-    int n = ::poll(pfds.data(), pfds.size(), wait_ms);
+    for (auto& c : _ranks) add(c.out), add(c.err);
+    if (_sim) add(_sim->out), add(_sim->err);
+    const int n = ::poll(pfds.data(), pfds.size(), wait_ms());
     if (n < 0 && errno != EINTR) {
       std::perror("hcomm-run: poll");
       stop_all();
     }
     for (size_t i = 1; i < pfds.size(); ++i)
       if (pfds[i].revents != 0) streams[i]->read_some();
-    if (n > 0 && pfds[0].revents != 0) {
-      signalfd_siginfo si;
-      while (::read(sfd, &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
-        int sig = static_cast<int>(si.ssi_signo);
-        if (sig == SIGCHLD) continue;  // reaped below
-        if (interrupted == 0) {
-          interrupted = sig;
-          std::fprintf(stderr, "hcomm-run: %s, stopping all ranks\n", ::strsignal(sig));
-        }
-        stop_all();
-        if (!started) stopping = true;
+    if (n > 0 && pfds[0].revents != 0) read_signals();
+  }
+
+  void read_signals() {
+    signalfd_siginfo si;
+    while (::read(_sfd, &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
+      const int sig = static_cast<int>(si.ssi_signo);
+      if (sig == SIGCHLD) continue;  // reaped below
+      if (_interrupted == 0) {
+        _interrupted = sig;
+        std::fprintf(stderr, "hcomm-run: %s, stopping all ranks\n", ::strsignal(sig));
       }
-    }
-    // Reap whatever exited (SIGCHLD coalesces: loop until nothing is left).
-    for (;;) {
-      int st;
-      pid_t p = ::waitpid(-1, &st, WNOHANG);
-      if (p <= 0) break;
-      if (sim && p == sim->pid) {
-        sim->pid = -1;
-        sim->status = shell_status(st);
-        if (started && !stopping && live() > 0) {
-          // The ranks' devices are gone: they fail their operations with
-          // HCOMM_ERR_DEVICE on their own; whatever has not exited within 2 s is stopped.
-          sim_died = true;
-          std::fprintf(stderr,
-                       "hcomm-run: hcomm-sim exited early (status %d): the ranks' NPUs are gone; stopping the ranks "
-                       "in 2 s\n",
-                       sim->status);
-          const auto at = now() + std::chrono::seconds(2);
-          if (!grace_at || *grace_at > at) grace_at = at;
-          grace_started = true;
-        }
-        continue;
-      }
-      for (size_t r = 0; r < ranks.size(); ++r) {
-        Child& c = ranks[r];
-        if (c.pid != p) continue;
-        // Kill what the rank left behind in its group, then forget the pid.
-        ::kill(-c.pid, SIGKILL);
-        c.pid = -1;
-        c.status = shell_status(st);
-        if (c.status != 0 && !c.stopped_by_us && !stopping && live() > 0 && !grace_started) {
-          grace_started = true;
-          std::fprintf(stderr, "hcomm-run: rank %zu failed (status %d); stopping the others in %g s\n", r, c.status,
-                       opt.grace_s);
-          grace_at = now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(opt.grace_s));
-        }
-      }
+      stop_all();
+      if (!_started) _stopping = true;
     }
   }
 
-  for (auto& c : ranks) {
-    if (c.out.fd >= 0) ::close(c.out.fd);
-    if (c.err.fd >= 0) ::close(c.err.fd);
-  }
-  if (sim) {
-    if (sim->pid > 0) {
-      ::kill(sim->pid, SIGTERM);
-      auto until = now() + std::chrono::seconds(5);
+  // Reaps whatever exited (SIGCHLD coalesces: loop until nothing is left).
+  void reap() {
+    for (;;) {
       int st;
-      while (::waitpid(sim->pid, &st, WNOHANG) == 0) {
-        if (now() >= until) {
-          ::kill(sim->pid, SIGKILL);
-          ::waitpid(sim->pid, &st, 0);
+      const pid_t p = ::waitpid(-1, &st, WNOHANG);
+      if (p <= 0) return;
+      if (_sim && p == _sim->pid) {
+        sim_exited(shell_status(st));
+        continue;
+      }
+      for (size_t r = 0; r < _ranks.size(); ++r)
+        if (_ranks[r].pid == p) rank_exited(r, shell_status(st));
+    }
+  }
+
+  void sim_exited(int status) {
+    _sim->pid = -1;
+    _sim->status = status;
+    if (!_started || _stopping || live() == 0) return;
+    // The ranks' devices are gone: they fail their operations with
+    // HCOMM_ERR_DEVICE on their own; whatever has not exited within 2 s is stopped.
+    _sim_died = true;
+    std::fprintf(stderr,
+                 "hcomm-run: hcomm-sim exited early (status %d): the ranks' NPUs are gone; stopping the ranks "
+                 "in 2 s\n",
+                 status);
+    const auto at = Clock::now() + std::chrono::seconds(2);
+    if (!_grace_at || *_grace_at > at) _grace_at = at;
+    _grace_started = true;
+  }
+
+  void rank_exited(size_t r, int status) {
+    Child& c = _ranks[r];
+    // Kill what the rank left behind in its group, then forget the pid.
+    ::kill(-c.pid, SIGKILL);
+    c.pid = -1;
+    c.status = status;
+    if (c.status != 0 && !c.stopped_by_us && !_stopping && live() > 0 && !_grace_started) {
+      _grace_started = true;
+      std::fprintf(stderr, "hcomm-run: rank %zu failed (status %d); stopping the others in %g s\n", r, c.status,
+                   _opt.grace_s);
+      _grace_at = Clock::now() + seconds(_opt.grace_s);
+    }
+  }
+
+  void close_pipes() {
+    for (auto& c : _ranks) {
+      if (c.out.fd >= 0) ::close(c.out.fd);
+      if (c.err.fd >= 0) ::close(c.err.fd);
+    }
+  }
+
+  // SIGTERM, SIGKILL after 5 s; relays its last output; removes its directory.
+  void stop_sim() {
+    if (!_sim) return;
+    if (_sim->pid > 0) {
+      ::kill(_sim->pid, SIGTERM);
+      const auto until = Clock::now() + std::chrono::seconds(5);
+      int st;
+      while (::waitpid(_sim->pid, &st, WNOHANG) == 0) {
+        if (Clock::now() >= until) {
+          ::kill(_sim->pid, SIGKILL);
+          ::waitpid(_sim->pid, &st, 0);
           break;
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
       }
     }
-    for (Stream* s : {&sim->out, &sim->err})
+    for (Stream* s : {&_sim->out, &_sim->err})
       while (s->fd >= 0 && s->read_some()) {
       }
     std::error_code ec;
-    std::filesystem::remove_all(sim_dir, ec);
+    std::filesystem::remove_all(_sim_dir, ec);
   }
 
-  if (interrupted != 0) return 128 + interrupted;
-  if (timed_out) return 124;
-  if (startup_failed) return 2;
-  if (sim_died) {
-    int worst = 1;
-    for (auto& c : ranks) worst = std::max(worst, c.status);
-    return worst;
+  int exit_status() const {
+    if (_interrupted != 0) return 128 + _interrupted;
+    if (_timed_out) return 124;
+    if (_startup_failed) return 2;
+    if (_sim_died) {
+      int worst = 1;
+      for (const auto& c : _ranks) worst = std::max(worst, c.status);
+      return worst;
+    }
+    int worst = 0, worst_any = 0;
+    for (const auto& c : _ranks) {
+      worst_any = std::max(worst_any, c.status);
+      if (!c.stopped_by_us) worst = std::max(worst, c.status);
+    }
+    return worst != 0 ? worst : worst_any;
   }
-  int worst = 0, worst_any = 0;
-  for (auto& c : ranks) {
-    worst_any = std::max(worst_any, c.status);
-    if (!c.stopped_by_us) worst = std::max(worst, c.status);
-  }
-  return worst != 0 ? worst : worst_any;
-}
+
+  const RunOptions _opt;
+  int _sfd = -1;
+  std::vector<std::pair<std::string, std::string>> _env;
+  std::optional<Child> _sim;
+  std::string _sim_dir;
+  std::vector<Child> _ranks;
+  std::optional<Clock::time_point> _run_deadline, _grace_at, _kill_at, _drain_until, _sim_ready_by;
+  int _interrupted = 0;
+  bool _timed_out = false, _stopping = false, _grace_started = false, _started = false, _startup_failed = false;
+  bool _sim_died = false;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) { return Launcher(parse(argc, argv)).run(); }
