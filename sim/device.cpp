@@ -1139,7 +1139,7 @@ void Fabric::network_loop() {
   constexpr int kUplinkBurst = 64;
   std::vector<uint8_t> buf(hal::abi::roce::kMaxFrame + 64);
   auto wall = [] { return static_cast<uint64_t>(now_ns()); };
-  uint64_t last_busy = 0, last_wall = wall(), now = last_wall, busy_wall = last_wall;
+  uint64_t last_busy = 0, last_wall = wall(), now = last_wall;
   bool behind = false;
   const uint32_t spin_us = _devices.empty() ? 0 : _devices[0]->config().spin_us;
   while (!_net_stop.load(std::memory_order_relaxed)) {
@@ -1162,15 +1162,14 @@ void Fabric::network_loop() {
     }
     if (moved) {
       last_busy = now;
-      busy_wall = w;
     } else if (now - last_busy > uint64_t{spin_us} * 1000) {
-      const auto nap = std::clamp<uint64_t>((w - busy_wall) / 16, 100'000, 1'000'000);
-      size_t n = 0;
-      if (_uplink && nap == 1'000'000) {
+      // Idle for now - last_busy on the devices' clock (the wall's, but for
+      // rounds the thread did not run): nap 1/16 of it.
+      const auto nap = std::clamp<uint64_t>((now - last_busy) / 16, 100'000, 1'000'000);
+      if (size_t n = 0; _uplink && nap == 1'000'000) {
         if (_uplink->recv(buf.data(), buf.size(), &n, 1).is_ok() && n > 0) {
           _switch.ingress(_uplink_port, buf.data(), n, now);
           last_busy = now;
-          busy_wall = wall();
         }
       } else {
         std::this_thread::sleep_for(std::chrono::nanoseconds(nap));

@@ -295,7 +295,8 @@ class Bench {
     _max = (max + 63) & ~size_t{63};
     // Two regions: [0, _max) is where the peer writes into us / reads from
     // us; [_max, 2*_max) is our local source / destination. Then 64 bytes of
-    // flags (notify word at +0, ack word at +8, fetch-add word at +16).
+    // flags (notify word at +0, ack word at +8, fetch-add word at +16,
+    // --passive spin's end-of-test word at +24).
     _mem = _c.alloc(2 * _max + 64, o.mem_kind);
     _flags = 2 * _max;
     std::memset(_mem.data(), 0, 2 * _max + 64);
@@ -447,20 +448,21 @@ class Bench {
       if (target) {
         auto w = word(_flags + 24);
         spin_until(w, done);
-      }
-      uint64_t old = 0;
-      for (long i = 0; init && i < total; ++i) {
-        bt.begin(i);
-        if (t == "get") hcomm::check(hcomm_get(c, local(), n, _key[_peer].get(), 0, kTimeoutMs), "get");
-        else if (t == "acc")
-          hcomm::check(hcomm_accumulate(c, local(), n / 4, HCOMM_FP32, HCOMM_SUM, _key[_peer].get(), 0, kTimeoutMs),
-                       "accumulate");
-        else hcomm::check(hcomm_fetch_add(c, _key[_peer].get(), _flags + 16, 1, &old, kTimeoutMs), "fetch_add");
-        bt.end(i, 1);
-      }
-      if (init && _o.passive_spin) {
-        std::memcpy(local(), &done, 8);
-        hcomm::check(hcomm_put(c, local(), 8, _key[_peer].get(), _flags + 24, kTimeoutMs), "put (end of test)");
+      } else {
+        uint64_t old = 0;
+        for (long i = 0; i < total; ++i) {
+          bt.begin(i);
+          if (t == "get") hcomm::check(hcomm_get(c, local(), n, _key[_peer].get(), 0, kTimeoutMs), "get");
+          else if (t == "acc")
+            hcomm::check(hcomm_accumulate(c, local(), n / 4, HCOMM_FP32, HCOMM_SUM, _key[_peer].get(), 0, kTimeoutMs),
+                         "accumulate");
+          else hcomm::check(hcomm_fetch_add(c, _key[_peer].get(), _flags + 16, 1, &old, kTimeoutMs), "fetch_add");
+          bt.end(i, 1);
+        }
+        if (_o.passive_spin) {
+          std::memcpy(local(), &done, 8);
+          hcomm::check(hcomm_put(c, local(), 8, _key[_peer].get(), _flags + 24, kTimeoutMs), "put (end of test)");
+        }
       }
     }
     _c.barrier(kTimeoutMs);

@@ -336,6 +336,9 @@ class Launcher {
     }
   }
 
+  // Every rank started was reaped (or none will start).
+  bool ranks_done() const { return (_started || _stopping) && live() == 0; }
+
   int live() const {
     int k = 0;
     for (const auto& c : _ranks) k += c.pid > 0;
@@ -373,8 +376,7 @@ class Launcher {
   // once; the bound only guards against a process that left its group and
   // kept a pipe.
   bool finished() {
-    const bool ranks_done = (_started || _stopping) && live() == 0;
-    if (!ranks_done) return false;
+    if (!ranks_done()) return false;
     bool pipes_open = false;
     for (const auto& c : _ranks) pipes_open |= c.out.fd >= 0 || c.err.fd >= 0;
     if (!_drain_until) _drain_until = Clock::now() + std::chrono::seconds(1);
@@ -383,8 +385,7 @@ class Launcher {
 
   void fire_timers() {
     const auto t = Clock::now();
-    const bool ranks_done = (_started || _stopping) && live() == 0;
-    if (_run_deadline && t >= *_run_deadline && !_timed_out && !ranks_done) {
+    if (_run_deadline && t >= *_run_deadline && !_timed_out && !ranks_done()) {
       _timed_out = true;
       std::fprintf(stderr, "hcomm-run: timeout after %g s, stopping all ranks\n", _opt.timeout_s);
       stop_all();
