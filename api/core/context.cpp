@@ -304,6 +304,7 @@ Status Context::open_transports(const hcomm_config_t& cfg, const LaunchInfo& li,
       std::unique_ptr<NpuTransport> npu;
       HCOMM_TRY(NpuTransport::open(name, _rank, *_shm, &npu));
       _npu = npu.get();
+      _yield_early = npu->software();
       _shm->messaging_only();  // every one-sided operation goes through the device
       _transports.push_back(std::move(shm));
       _transports.push_back(std::move(npu));
@@ -677,7 +678,7 @@ void Context::progress() {
 
 // Callers hold _mu. Three phases, by time waited (the clock is read every
 // 64 rounds, not every round): spin on progress for 50 us (microsecond
-// latencies), then yield the CPU between rounds up to 2 ms (on a busy
+// latencies; 3 us when the NPU is hcomm-sim on this host, below), then yield the CPU between rounds up to 2 ms (on a busy
 // machine the peer needs our core), then nap with the lock released, for
 // 1/16 of the time waited so far (50 us to 1 ms). A wait that has gone on
 // for long (a retransmission timeout, a slow peer, a consumer waiting for a
@@ -704,7 +705,16 @@ bool Context::spin_wait(const std::function<bool()>& done, bool progress_each_ro
     // Over a software RDMA device a round trip takes hundreds of microseconds
     // (QEMU guests): spin up to 2 ms before napping, as perftest spins; rxe's
     // work runs in softirq context, which preempts the spinning thread.
-    if (waited < (_nap_early ? std::chrono::microseconds(2000) : std::chrono::microseconds(50))) continue;
+    // A simulated NPU's engine is a thread on these CPUs: while this rank
+    // spins on the core it shares with that thread, the descriptor it waits
+    // for does not run. Spinning 50 us there made every hand-off between a
+    // rank and the engine cost the spin (NPU send/recv of 1 MiB took 170-200
+    // us per message instead of ~30 whenever the scheduler put the receiver
+    // on the engine's core): yield after 3 us instead.
+    const auto spin_for = _nap_early     ? std::chrono::microseconds(2000)
+                          : _yield_early ? std::chrono::microseconds(3)
+                                         : std::chrono::microseconds(50);
+    if (waited < spin_for) continue;
     _mu.unlock();
     // A software RDMA device (rxe, siw) does the NIC's work in kernel threads
     // on these CPUs, and sched_yield does not hand them the CPU: nap at once.

@@ -320,8 +320,16 @@ class Context final : public AmSink {
   void deliver_eager(Request& r, int source, const MsgHdr& h, const uint8_t* payload);
   void start_claim(const std::shared_ptr<Request>& r, int source, const MsgHdr& h, unsigned asks = 0);
   bool took_rendezvous(const std::shared_ptr<Request>& r) const;
+  // A claim won and its receive taken off the posted list, its read not yet
+  // started (finish_claims starts it after matching resumes).
+  struct Won {
+    std::shared_ptr<Request> recv;
+    int source;
+    MsgHdr h;
+  };
+  // `later` null: the read starts at once.
   void claim_resolved(const std::shared_ptr<Request>& r, int source, const MsgHdr& h, const Request& op, uint64_t old,
-                      unsigned asks);
+                      unsigned asks, std::vector<Won>* later = nullptr);
   void finish_claims();
   void rematch();
   Status claim_cas(hcomm_rkey* k, uint32_t idx, uint64_t compare, uint64_t swap, uint64_t* old,
@@ -349,6 +357,7 @@ class Context final : public AmSink {
   NpuTransport* _npu = nullptr;
   Transport* _verbs = nullptr;
   bool _cross_host = false;  // some peer is on another host
+  bool _yield_early = false; // waits yield after 3 us, not 50 (the NPU is hcomm-sim on this host)
   bool _nap_early = false;   // waits nap instead of yielding (verbs on a software RDMA device)
   // registrations
   std::vector<hcomm_mem*> _mems;              // by slot

@@ -249,7 +249,7 @@ void Context::start_claim(const std::shared_ptr<Request>& rp, int source, const 
 }
 
 void Context::claim_resolved(const std::shared_ptr<Request>& rp, int source, const MsgHdr& h, const Request& op,
-                             uint64_t old, unsigned asks) {
+                             uint64_t old, unsigned asks, std::vector<Won>* later) {
   rp->claiming = false;
   if (rp->done()) return;  // failed meanwhile (its peer failed)
   if (op.status != HCOMM_OK && op.status != HCOMM_ERR_PEER_FAILURE) {
@@ -287,11 +287,20 @@ void Context::claim_resolved(const std::shared_ptr<Request>& rp, int source, con
   if (!won) return;  // retracted (or its sender is gone): as if never sent; the receive stays posted
   _posted.remove(rp);
   rp->info = {source, h.tag, static_cast<size_t>(h.total)};
+  if (later != nullptr) return later->push_back({rp, source, h});
   pull(rp, source, h);
 }
 
+// The reads of the messages won here start after matching has resumed: on
+// an asynchronous lane whose operations run in order (the NPU's DMA queue)
+// the next message's claim then sits ahead of this message's copy, and is
+// answered while the copy runs, so the queue never waits for this rank
+// between two copies (claim k+1, copy k, claim k+2, copy k+1, ...). Pulled
+// first, every claim queued behind the copy before it, and the engine idled
+// for a round trip to this rank per message.
 void Context::finish_claims() {
   bool resolved = false;
+  std::vector<Won> won;
   for (auto it = _claims.begin(); it != _claims.end();) {
     if (!it->op->done()) {
       ++it;
@@ -299,10 +308,11 @@ void Context::finish_claims() {
     }
     Claim c = std::move(*it);
     it = _claims.erase(it);
-    claim_resolved(c.recv, c.source, c.h, *c.op, c.old, c.asks);
+    claim_resolved(c.recv, c.source, c.h, *c.op, c.old, c.asks, &won);
     resolved = true;
   }
   if (resolved && _claims.empty()) rematch();
+  for (Won& w : won) pull(w.recv, w.source, w.h);
 }
 
 // Matching resumes: unexpected messages, in arrival order, meet the posted

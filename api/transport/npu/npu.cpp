@@ -46,6 +46,7 @@ Status NpuTransport::open(const std::string& name, int rank, ShmTransport& node,
     return Status(st.code(), "NPU engine: cannot open " + ref.name() + ": " + st.message() +
                                  " (start hcomm-sim, or run with HCOMM_ENGINE=host)");
   HCOMM_TRY(hal::npu::Device::open(std::move(link), &t->_dev));
+  t->_software = ref.kind == driver::DeviceRef::Kind::sim;
   HCOMM_TRY(t->_dev->create_queue(std::min<uint32_t>(10, t->_dev->info().max_queue_log2), false, &t->_q));
   HCOMM_TRY(driver::DmaBuffer::allocate(4096, -1, &t->_scratch));
   HCOMM_TRY(t->_dev->map_buffer(t->_scratch, hal::npu::access::RW, &t->_scratch_map));

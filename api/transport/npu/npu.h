@@ -48,6 +48,9 @@ class NpuTransport final : public Transport {
   }
 
   uint32_t fabric_index() const { return _dev->info().fabric_index; }
+  // The device is a model in a process on this host (hcomm-sim over
+  // vfio-user): its engines are threads on the CPUs the ranks spin on.
+  bool software() const { return _software; }
   // The device, for the npu_roce transport (its network engine).
   hal::npu::Device& device() { return *_dev; }
   // Device memory (HCOMM_MEM_DEVICE): a first-fit HBM range, zeroed.
@@ -70,6 +73,7 @@ class NpuTransport final : public Transport {
   std::vector<uint32_t> _scratch_free;
   RangeAllocator _hbm;  // free device-memory offsets (4 KiB multiples)
   Status _lost;  // !ok: the device is gone
+  bool _software = false;
 };
 
 }  // namespace hcomm::api
