@@ -111,6 +111,7 @@ std::string control_command(Fabric& fabric, const std::string& line) {
     f.fail_next = 0;
     f.corrupt_next = 0;
     f.stall_until_ns = 0;
+    f.stall_after = 0;
     f.stale_next = 0;
     return "ok";
   }
@@ -126,8 +127,21 @@ std::string control_command(Fabric& fabric, const std::string& line) {
   } else if (cmd == "stale") {
     f.stale_next = static_cast<uint32_t>(n);
   } else if (cmd == "stall") {
-    auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(n);
-    f.stall_until_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(until.time_since_epoch()).count();
+    long long after = 0;
+    if (!(in >> after)) {
+      in.clear();
+      if (std::string rest; in >> rest) return "error: stall DEV MS [AFTER]: AFTER must be a number";
+      after = 0;
+    } else if (after < 1 || after > 1000000000LL) {
+      return "error: stall DEV MS [AFTER]: AFTER must be 1..1e9 descriptors";
+    }
+    if (after > 0) {
+      f.stall_ms = n;
+      f.stall_after = static_cast<uint32_t>(after);
+    } else {
+      auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(n);
+      f.stall_until_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(until.time_since_epoch()).count();
+    }
   } else {
     return "error: unknown command '" + cmd + "'";
   }

@@ -808,6 +808,12 @@ CqStatus Device::execute(Queue& q, const abi::SqEntry& d, uint64_t* fault_addr) 
   if (op != Opcode::REDUCE && (d.dtype != 0 || d.redop != 0)) return CqStatus::BAD_FIELD;
 
   // Fault injection takes effect on a well-formed descriptor, before any byte moves.
+  for (uint32_t n = _faults.stall_after.load(); n > 0;) {
+    if (_faults.stall_after.compare_exchange_weak(n, n - 1)) {
+      if (n == 1) _faults.stall_until_ns.store(now_ns() + _faults.stall_ms.load() * 1000000, std::memory_order_release);
+      break;
+    }
+  }
   for (uint32_t n = _faults.fail_next.load(); n > 0;) {
     if (_faults.fail_next.compare_exchange_weak(n, n - 1)) return CqStatus::INJECTED;
   }
@@ -1009,6 +1015,9 @@ void Device::engine_loop(Queue& q) {
       }
       uint32_t done = 0;
       while (done < kBatch && q.sq_head != tail) {
+        // A stall that a descriptor of this batch started ("stall DEV MS
+        // AFTER") holds the rest of the batch.
+        if (int64_t st = _faults.stall_until_ns.load(std::memory_order_relaxed); st != 0 && st - now_ns() > 0) break;
         uint32_t cq_head = sh->cq_head.value.load(std::memory_order_acquire);
         if (q.cq.used(q.cq_tail, cq_head) >= q.cq.size()) {  // CQ full: wait for the driver
           cq_full = true;

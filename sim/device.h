@@ -54,6 +54,11 @@ struct FaultState {
   std::atomic<uint32_t> fail_next{0};     // next N descriptors complete with INJECTED
   std::atomic<uint32_t> corrupt_next{0};  // next N COPYs flip one byte of the destination
   std::atomic<int64_t> stall_until_ns{0}; // engines take no descriptor before this (steady clock)
+  // "stall DEV MS AFTER": the engines take AFTER more descriptors, then
+  // stall for stall_ms (a stall that starts between two descriptors of one
+  // exchange, e.g. after a rendezvous claim and before its copy)
+  std::atomic<uint32_t> stall_after{0};
+  std::atomic<int64_t> stall_ms{0};
   // next N fetch atomics are done but answer what the device answered to
   // its previous fetch atomic (what Soft-RoCE did to a retransmitted
   // compare-swap: the old value of another word)

@@ -484,8 +484,16 @@ Status Context::open_claims(const Deadline& dl) {
 void Context::cancel_stuck(Request& r, const char* what) {
   const std::string why = std::string(what) + " did not finish within the cancel bound (" +
                           std::to_string(_cancel_bound.count()) + " ms)";
-  if (r.peer >= 0 && r.peer != _rank) peer_failed(_peers[static_cast<size_t>(r.peer)], why);
-  r.complete(HCOMM_ERR_PEER_FAILURE, "rank " + std::to_string(r.peer) + ": " + why);
+  // A wildcard receive is held up by the rank whose message it matched
+  // (claiming it, or reading it): that is the peer to close.
+  int peer = r.peer;
+  if (peer < 0 && r.kind == Request::Kind::recv) {
+    peer = r.info.source;
+    for (const Claim& c : _claims)
+      if (peer < 0 && c.recv.get() == &r) peer = c.source;
+  }
+  if (peer >= 0 && peer < _size && peer != _rank) peer_failed(_peers[static_cast<size_t>(peer)], why);
+  r.complete(HCOMM_ERR_PEER_FAILURE, "rank " + std::to_string(peer) + ": " + why);
 }
 
 void Context::cancel_send(const std::shared_ptr<Request>& rp, const Deadline& dl) {
@@ -631,8 +639,13 @@ void Context::peer_failed(Peer& p, const std::string& why) {
   for (auto& r : p.backlog) send_done(*r, HCOMM_ERR_PEER_FAILURE, p.why_dead);
   p.backlog.clear();
   p.queued = false;
+  // A read on a lane that finishes alone (the NPU's DMA queue) is left to
+  // end: its engine may be copying into the receive buffer right now, and
+  // the receive must not return before it stops (it ends OK, the message
+  // whole, or with the device's error, and the FIN is dropped).
   for (Pull& u : _pulls)
-    if (u.source == p.rank) u.read->complete(HCOMM_ERR_PEER_FAILURE, p.why_dead);
+    if (u.source == p.rank && (u.lane == nullptr || !u.lane->finishes_alone()))
+      u.read->complete(HCOMM_ERR_PEER_FAILURE, p.why_dead);
   for (Push& u : _pushes)
     if (u.dest == p.rank) u.write->complete(HCOMM_ERR_PEER_FAILURE, p.why_dead);
   // A claim on its word is lost with it (the RTS is dropped).

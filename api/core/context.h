@@ -402,6 +402,7 @@ class Context final : public AmSink {
     int source;
     uint64_t sreq, total;
     bool by_write = false;  // a CTS went out: the sender writes
+    const Transport* lane = nullptr;  // what moves the bytes, when asynchronous
   };
   std::list<Pull> _pulls;
   // Rendezvous sends the receiver asked to write (CTS): the send completes,

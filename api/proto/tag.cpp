@@ -297,7 +297,9 @@ void Context::claim_resolved(const std::shared_ptr<Request>& rp, int source, con
 // answered while the copy runs, so the queue never waits for this rank
 // between two copies (claim k+1, copy k, claim k+2, copy k+1, ...). Pulled
 // first, every claim queued behind the copy before it, and the engine idled
-// for a round trip to this rank per message.
+// for a round trip to this rank per message. (Nothing rematch reaches
+// releases _mu, so the won receive, already off the posted list, cannot be
+// completed or cancelled before its read starts.)
 void Context::finish_claims() {
   bool resolved = false;
   std::vector<Won> won;
@@ -358,6 +360,7 @@ void Context::pull(const std::shared_ptr<Request>& rp, int source, const MsgHdr&
   g->peer = source;
   g->id = next_id();
   bool started = n == 0;
+  const Transport* lane = nullptr;  // an asynchronous lane the read went to
   if (n == 0) g->complete(HCOMM_OK);
   if (!started && _rndv_write && h.total >= _rndv_write_min && p.am->caps().rndv_write) {
     // By write: name our buffer in a CTS; the sender's WDONE completes g.
@@ -393,6 +396,7 @@ void Context::pull(const std::shared_ptr<Request>& rp, int source, const MsgHdr&
         if (started) g->complete(HCOMM_OK);
       } else if (a.local_mem != nullptr) {
         started = static_cast<bool>(k->lane->rma(a, g));
+        if (started) lane = k->lane;
       }
     }
   }
@@ -402,6 +406,7 @@ void Context::pull(const std::shared_ptr<Request>& rp, int source, const MsgHdr&
     Status cs = Status::error(Code::unsupported, "no transport reaching rank %d reads unregistered memory", source);
     for (Transport* t : p.rma) {
       cs = t->read_raw(source, r.rbuf, h.addr, h.rkey, n, g);
+      if (cs) lane = t;
       if (cs.code() != Code::unsupported) break;
     }
     if (!cs)
@@ -410,7 +415,7 @@ void Context::pull(const std::shared_ptr<Request>& rp, int source, const MsgHdr&
                                                     : HCOMM_ERR_PROTOCOL,
                   cs.message());
   }
-  _pulls.push_back({rp, g, source, h.sreq, h.total});
+  _pulls.push_back({rp, g, source, h.sreq, h.total, false, lane});
   finish_pulls();
 }
 

@@ -202,6 +202,14 @@ class Transport {
   virtual void check_health() {}
   // The peer failed: fail what is queued for it.
   virtual void peer_failed(int /*peer*/, const std::string& /*why*/) {}
+  // Operations handed to this transport end by themselves whatever becomes
+  // of the peer (a local DMA engine completes every descriptor it took, or
+  // the device is lost and check_health fails them): a peer's failure must
+  // not complete them early, since the engine may still be writing into the
+  // caller's buffer. False: peer_failed stops the transport touching our
+  // memory for that peer (verbs: the queue pair goes to error), and the
+  // context fails what is left.
+  virtual bool finishes_alone() const { return false; }
 };
 
 }  // namespace hcomm::api

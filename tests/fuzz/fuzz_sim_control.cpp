@@ -51,7 +51,7 @@ void check_replies(const std::string& r) {
 
 std::vector<std::string> fuzz_seeds() {
   return {"ping\n", "reset 1\nstats 1\n", "fail 0 3\nstats 0\n", "corrupt 1 1\xff\nclear 1\n",
-          "stall 0 0\nstats 1\n",
+          "stall 0 0\nstats 1\n", "stall 0 5 3\nclear 0\n", "stall 1 0 0\nstall 1 9 x\nstall 1 9 4000000000\n",
           "bogus 0 1\nfail 7 1\nfail 0 -1\nfail 0 99999999999\n", std::string(300, 'a') + "\n", "ping"};
 }
 

@@ -781,6 +781,121 @@ TEST_P(Api, TimedOutPutWaitsForItsDmaBeforeReturning) {
   });
 }
 
+// A sender that dies while its receiver's engine copies the message: the
+// receive must not return while that copy can still write into its buffer.
+// The receiver's device takes the claim's compare-swap and then stalls
+// ("stall 0 MS 1") with the copy queued; the sender dies meanwhile, and the
+// receiver notices it long before the stall ends. It returns when the copy
+// is done (the message whole: it was claimed and read to the end), not at
+// the failure; a canary written into the buffer right after the call stays.
+TEST_P(Api, SenderDyingMidCopyLeavesTheReturnedReceiveAlone) {
+  if (!npu()) GTEST_SKIP() << "stalling the DMA engine is a simulator feature";
+  if (nodes()) GTEST_SKIP() << "across nodes the message moves over RoCE, not the DMA queue";
+  if (g_sim == nullptr) GTEST_SKIP() << "needs hcomm-sim's control socket (not reachable with HCOMM_TEST_DEVICES)";
+  test::SimProcess* sim = g_sim;
+  run(
+      [sim](hcomm_context_t* ctx, int me, int n) {
+        const int sender = n - 1;
+        const size_t s = size_t{4} << 20;
+        hcomm_mem_t* m;
+        RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &m));
+        auto* p = static_cast<uint8_t*>(hcomm_mem_ptr(m));
+        for (size_t i = 0; i < s; ++i) p[i] = me == sender ? pattern(me, s, i) : 0;
+        constexpr int kStallMs = 800;
+        RCHECK_OK(hcomm_barrier(ctx, T));
+        // The next descriptor device 0 takes is rank 0's claim (rank 0 drives
+        // device 0; the other ranks stay off their devices until rank 0 is done).
+        if (me == 0) {
+          RCHECK(sim->control("stall 0 " + std::to_string(kStallMs) + " 1") == "ok");
+        }
+        RCHECK_OK(hcomm_barrier(ctx, T));
+        if (me == sender) {
+          hcomm_request_t* q;
+          RCHECK_OK(hcomm_isend(ctx, 0, p, s, 7, &q));
+          std::this_thread::sleep_for(std::chrono::milliseconds(150));  // claimed; its copy waits on the stall
+          ::kill(::getpid(), SIGKILL);
+        }
+        if (me == 0) {
+          const auto t0 = std::chrono::steady_clock::now();
+          hcomm_recv_info_t info;
+          hcomm_status_t st = hcomm_recv(ctx, sender, p, s, 7, HCOMM_TAG_MASK_ALL, &info, 20000);
+          const auto ms =
+              std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+          const std::string why = hcomm_last_error();
+          bool whole = true;
+          for (size_t i = 0; i < s && whole; ++i) whole = p[i] == pattern(sender, s, i);
+          std::memset(p, kCanary, s);  // the call returned: the buffer is the caller's again
+          std::this_thread::sleep_for(std::chrono::milliseconds(kStallMs + 200));  // any late copy lands by now
+          bool kept = true;
+          for (size_t i = 0; i < s && kept; ++i) kept = p[i] == kCanary;
+          RCHECK(kept) << "the receive returned (" << hcomm_strerror(st) << " after " << ms
+                       << " ms) and its buffer was written afterwards";
+          RCHECK(st == HCOMM_OK) << "the claimed message was read to its end, yet: " << hcomm_strerror(st) << " "
+                                 << why << " after " << ms << " ms";
+          RCHECK(whole) << "OK with a message that is not the one sent";
+          RCHECK(ms >= kStallMs / 2) << "returned after " << ms << " ms, before the stalled copy could have run";
+          RCHECK(sim->control("clear 0") == "ok");
+          for (int r = 1; r < sender; ++r) RCHECK_OK(hcomm_send(ctx, r, &ms, sizeof ms, 8, T));
+        } else {
+          int64_t ms = 0;
+          RCHECK_OK(hcomm_recv(ctx, 0, &ms, sizeof ms, 8, HCOMM_TAG_MASK_ALL, nullptr, 30000));
+        }
+        hcomm_status_t st = hcomm_finalize(ctx);  // its barrier cannot complete with a dead rank
+        RCHECK(st != HCOMM_OK);
+        ::_exit(0);
+      },
+      90, {GetParam().ranks - 1});
+}
+
+// A wildcard receive that matched a message and whose read is held up past
+// the cancel bound (its device stalls): cancel declares the rank it matched
+// failed, the one holding it up, though the receive names no rank, so that
+// rank's transports stop touching this rank's memory. (The stalled copy
+// itself is a device that stalls without being lost: docs/api.md.)
+TEST_P(Api, CancelOfAStuckWildcardReceiveClosesTheRankItMatched) {
+  if (!npu()) GTEST_SKIP() << "stalling the DMA engine is a simulator feature";
+  if (nodes()) GTEST_SKIP() << "across nodes the message moves over RoCE, not the DMA queue";
+  if (g_sim == nullptr) GTEST_SKIP() << "needs hcomm-sim's control socket (not reachable with HCOMM_TEST_DEVICES)";
+  test::SimProcess* sim = g_sim;
+  run([sim](hcomm_context_t* ctx, int me, int n) {
+    const int sender = n - 1;
+    const size_t s = size_t{1} << 20;
+    hcomm_mem_t* m;
+    RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &m));
+    auto* p = static_cast<uint8_t*>(hcomm_mem_ptr(m));
+    std::memset(p, me, s);
+    constexpr int kStallMs = 2500;  // past the cancel bound (1 s + peer_check_ms)
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    if (me == 0) {
+      RCHECK(sim->control("stall 0 " + std::to_string(kStallMs) + " 1") == "ok");  // after rank 0's claim
+    }
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    if (me == sender) {
+      hcomm_request_t* q;
+      RCHECK_OK(hcomm_isend(ctx, 0, p, s, 9, &q));
+      // However it ends: rank 0 stops answering us (no FIN will come).
+      if (hcomm_wait(q, 3000) == HCOMM_ERR_TIMEOUT) (void)hcomm_request_cancel(q);
+      hcomm_request_free(q);
+    } else if (me == 0) {
+      hcomm_request_t* q;
+      RCHECK_OK(hcomm_irecv(ctx, HCOMM_ANY_SOURCE, p, s, 9, HCOMM_TAG_MASK_ALL, &q));
+      progress_for(ctx, 200);  // matched and claimed; the copy waits on the stall
+      hcomm_status_t st = hcomm_request_cancel(q);
+      const std::string why = hcomm_last_error();
+      hcomm_request_free(q);
+      RCHECK(st == HCOMM_ERR_PEER_FAILURE) << hcomm_strerror(st) << " " << why;
+      RCHECK(why.find("rank " + std::to_string(sender) + ":") != std::string::npos) << why;
+      uint64_t v = 0;
+      RCHECK_EQ_STATUS(hcomm_send(ctx, sender, &v, 8, 10, T), HCOMM_ERR_PEER_FAILURE);  // closed
+      std::this_thread::sleep_for(std::chrono::milliseconds(kStallMs));  // the stalled copy ends
+      RCHECK(sim->control("clear 0") == "ok");
+    }
+    hcomm_status_t st = hcomm_finalize(ctx);  // rank 0 and the sender no longer talk: its barrier may fail
+    (void)st;
+    ::_exit(0);
+  });
+}
+
 // An RMA cannot be called back: cancel waits until it is done at the target.
 TEST_P(Api, CancelledOneSidedOperationsRunToTheirEnd) {
   run([](hcomm_context_t* ctx, int me, int n) {

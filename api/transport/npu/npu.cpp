@@ -169,7 +169,7 @@ Status NpuTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& r) {
   while (_q->free_slots() < ndesc) {
     progress();
     if (dl.expired()) return Status::error(Code::no_resource, "DMA queue full until the deadline");
-    cpu_relax();
+    relax();
   }
   Code c = Code::ok;
   switch (a.op) {
@@ -182,7 +182,10 @@ Status NpuTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& r) {
       break;
     case Rma::fetch_add:
     case Rma::cswap: {
-      while (_scratch_free.empty() && !dl.expired()) progress();
+      while (_scratch_free.empty() && !dl.expired()) {
+        progress();
+        relax();
+      }
       if (_scratch_free.empty()) return Status::error(Code::no_resource, "no free fetch-result slot");
       r->result_slot = _scratch_free.back();
       _scratch_free.pop_back();
@@ -253,7 +256,7 @@ Status NpuTransport::flush(int peer, const Deadline& dl) {
     for (auto& [id, r] : _pending) busy |= peer < 0 || r->peer == peer;
     if (!busy) return Status::ok();
     if (dl.expired()) return Status::error(Code::timeout, "flush: operations still in flight at the deadline");
-    cpu_relax();
+    relax();
   }
 }
 

@@ -11,10 +11,12 @@
 
 #include <map>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "api/transport/shm/shm.h"
 #include "api/transport/transport.h"
+#include "common/barrier.h"
 #include "common/range_alloc.h"
 #include "driver/dma_memory.h"
 #include "hal/npu/device.h"
@@ -40,6 +42,8 @@ class NpuTransport final : public Transport {
   Status rma(const RmaOp& op, const std::shared_ptr<Request>& r) override;
   Status flush(int peer, const Deadline& dl) override;
   void progress() override;
+  // Every descriptor on our queue completes (the device's, or lose()'s).
+  bool finishes_alone() const override { return true; }
   // The device is gone (hcomm-sim exited or was killed, the ivshmem model
   // stopped) or was reset under us: hal::npu::Device::health.
   void check_health() override {
@@ -61,6 +65,12 @@ class NpuTransport final : public Transport {
   // The device is gone (its link hung up): fail what is pending, and every
   // later operation, with device_error naming it.
   void lose(const Status& why);
+  // A wait's round: on hcomm-sim the engine may need this CPU (see
+  // Context::spin_wait), so yield; on silicon, spin.
+  void relax() const {
+    if (_software) std::this_thread::yield();
+    else cpu_relax();
+  }
 
   int _rank;
   ShmTransport& _node;
