@@ -624,7 +624,8 @@ void Context::check_peers(bool force) {
       (void)::getsockopt(pfds[i].fd, SOL_SOCKET, SO_ERROR, &err, &el);
       peer_failed(*who[i], err == ETIMEDOUT ? "its host stopped answering (keepalive timed out: silent, stopped or "
                                               "unreachable)"
-                                            : "connection closed (process exited or was killed)");
+                                            : "connection closed (process exited or was killed, or it "
+                                              "declared this rank failed)");
     }
   }
 }
@@ -633,6 +634,11 @@ void Context::peer_failed(Peer& p, const std::string& why) {
   if (!p.alive) return;
   p.why_dead = "rank " + std::to_string(p.rank) + ": " + why;
   p.alive = false;  // after why_dead: the unlocked fast path reads it once it sees this
+  // Tell it: a rank this one declared failed (its message garbled, its
+  // transfer stuck past the cancel bound) learns it from the closed control
+  // connection at its next liveness check, instead of waiting for answers
+  // that will not come until its own timeouts.
+  if (p.sock.valid()) (void)::shutdown(p.sock.get(), SHUT_RDWR);
   ++_peers_failed;
   _last_failure = p.why_dead;
   for (auto& t : _transports) t->peer_failed(p.rank, p.why_dead);

@@ -66,7 +66,7 @@ Status send_packet(int fd, const void* data, size_t len, std::span<const int> fd
     if (errno == EAGAIN || errno == EWOULDBLOCK)
       return Status::error(Code::no_resource, "send_msg to %s: socket full", peer_name(peer_rank).c_str());
     if (errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN)
-      return Status::error(Code::peer_failure, "%s closed its connection (exited or killed?)",
+      return Status::error(Code::peer_failure, "%s closed its connection (exited, killed, or declared this rank failed?)",
                            peer_name(peer_rank).c_str());
     return Status::from_errno(errno, "send_msg to " + peer_name(peer_rank));
   }
@@ -97,7 +97,7 @@ Status recv_packet(int fd, std::vector<uint8_t>* out, std::vector<UniqueFd>* fds
       }
       out->clear();
       if (errno == ECONNRESET)
-        return Status::error(Code::peer_failure, "%s closed its connection (exited or killed?)",
+        return Status::error(Code::peer_failure, "%s closed its connection (exited, killed, or declared this rank failed?)",
                              peer_name(peer_rank).c_str());
       return Status::from_errno(errno, "recv_msg from " + peer_name(peer_rank));
     }
@@ -107,7 +107,7 @@ Status recv_packet(int fd, std::vector<uint8_t>* out, std::vector<UniqueFd>* fds
     unix_socket::take_fds(&mh, &got);
     out->resize(static_cast<size_t>(n));
     if (n == 0)
-      return Status::error(Code::peer_failure, "%s closed its connection (exited or killed?)",
+      return Status::error(Code::peer_failure, "%s closed its connection (exited, killed, or declared this rank failed?)",
                            peer_name(peer_rank).c_str());
     if ((mh.msg_flags & MSG_TRUNC) != 0) {
       out->clear();
@@ -145,7 +145,7 @@ Status closed_error(int peer_rank, int err = 0) {
   if (err == ETIMEDOUT)
     return Status::error(Code::peer_failure, "%s's host stopped answering (keepalive timed out: silent, stopped or unreachable)",
                          peer_name(peer_rank).c_str());
-  return Status::error(Code::peer_failure, "%s closed its connection (exited or killed?)", peer_name(peer_rank).c_str());
+  return Status::error(Code::peer_failure, "%s closed its connection (exited, killed, or declared this rank failed?)", peer_name(peer_rank).c_str());
 }
 
 // The stream is out of step (half a message went out or came in): make sure

@@ -850,8 +850,9 @@ TEST_P(Api, SenderDyingMidCopyLeavesTheReturnedReceiveAlone) {
 // A wildcard receive that matched a message and whose read is held up past
 // the cancel bound (its device stalls): cancel declares the rank it matched
 // failed, the one holding it up, though the receive names no rank, so that
-// rank's transports stop touching this rank's memory. (The stalled copy
-// itself is a device that stalls without being lost: docs/api.md.)
+// rank's transports stop touching this rank's memory, and that rank learns it
+// (its send fails with PEER_FAILURE). (The stalled copy itself is a device
+// that stalls without being lost: docs/api.md.)
 TEST_P(Api, CancelOfAStuckWildcardReceiveClosesTheRankItMatched) {
   if (!npu()) GTEST_SKIP() << "stalling the DMA engine is a simulator feature";
   if (nodes()) GTEST_SKIP() << "across nodes the message moves over RoCE, not the DMA queue";
@@ -873,8 +874,14 @@ TEST_P(Api, CancelOfAStuckWildcardReceiveClosesTheRankItMatched) {
     if (me == sender) {
       hcomm_request_t* q;
       RCHECK_OK(hcomm_isend(ctx, 0, p, s, 9, &q));
-      // However it ends: rank 0 stops answering us (no FIN will come).
-      if (hcomm_wait(q, 3000) == HCOMM_ERR_TIMEOUT) (void)hcomm_request_cancel(q);
+      // Rank 0 declares us failed and closes its connection: we learn it
+      // at our next liveness check, not at this wait's timeout.
+      const auto t0 = std::chrono::steady_clock::now();
+      hcomm_status_t st = hcomm_wait(q, 20000);
+      const auto ms =
+          std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+      RCHECK(st == HCOMM_ERR_PEER_FAILURE) << hcomm_strerror(st) << " " << hcomm_last_error();
+      RCHECK(ms < 10000) << "learned it only after " << ms << " ms";
       hcomm_request_free(q);
     } else if (me == 0) {
       hcomm_request_t* q;
