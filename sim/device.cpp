@@ -972,11 +972,13 @@ void Device::engine_loop(Queue& q) {
         sleep_on_doorbell(static_cast<int>(std::min<int64_t>(left / 1000000 + 1, 20)));
         continue;
       }
+      // Over: back to 0 (unless a newer stall replaced it), so the checks
+      // per descriptor below read no clock once no stall is pending.
+      _faults.stall_until_ns.compare_exchange_strong(stall, 0, std::memory_order_relaxed);
     }
     uint32_t irq_vector = abi::kNoVector;
     bool idle = false;
     bool cq_full = false;
-    bool nothing = false;  // this round found no descriptor
     {
       std::unique_lock ql(q.mu);
       bool dev_on;
@@ -1042,7 +1044,6 @@ void Device::engine_loop(Queue& q) {
         if ((d.flags & abi::desc_flag::INTERRUPT) != 0) irq_vector = q.msix;
         ++done;
       }
-      nothing = done == 0;
       if (done > 0) {
         idle_since = 0;
       } else if (q.sq_head == tail) {
@@ -1087,7 +1088,8 @@ void Device::engine_loop(Queue& q) {
       // scheduler's tick (a rank and the engine on one core of two: NPU
       // send/recv of 1 MiB at 170-200 us per message, put ping-pong 70-370
       // us). Alone on its core the yield returns at once.
-      if (nothing && idle_since != 0 && now_ns() - idle_since >= kIdleYieldNs) std::this_thread::yield();
+      // (idle_since is non-zero only while rounds find no descriptor.)
+      if (idle_since != 0 && now_ns() - idle_since >= kIdleYieldNs) std::this_thread::yield();
       else cpu_relax();
     }
   }

@@ -89,6 +89,14 @@ class Api : public ::testing::TestWithParam<Param> {
   }
   bool npu() const { return std::string(GetParam().engine) == "npu"; }
   bool nodes() const { return GetParam().nodes; }
+  // The cases that stall the DMA engine through hcomm-sim's control socket:
+  // why this instance cannot (empty: it can).
+  std::string why_no_stall() const {
+    if (!npu()) return "stalling the DMA engine is a simulator feature";
+    if (nodes()) return "across nodes the data moves over RoCE, not the DMA queue (and the wire's faults are on)";
+    if (g_sim == nullptr) return "needs hcomm-sim's control socket (not reachable with HCOMM_TEST_DEVICES)";
+    return "";
+  }
   void SetUp() override {
     if (GetParam().rndv != nullptr && !two_sided_case(::testing::UnitTest::GetInstance()->current_test_info()->name()))
       GTEST_SKIP() << "HCOMM_RNDV=" << GetParam().rndv << ": two-sided cases only";
@@ -745,9 +753,7 @@ TEST_P(Api, CancelIsCancelledOrCompletedNeverHalf) {
 // timeout; the caller reuses its buffer at once after the call; the target
 // must hold the bytes of before.
 TEST_P(Api, TimedOutPutWaitsForItsDmaBeforeReturning) {
-  if (!npu()) GTEST_SKIP() << "stalling the DMA engine is a simulator feature";
-  if (nodes()) GTEST_SKIP() << "the ring's puts cross nodes (RoCE, not the DMA queue); the wire's faults are on";
-  if (g_sim == nullptr) GTEST_SKIP() << "needs hcomm-sim's control socket (not reachable with HCOMM_TEST_DEVICES)";
+  if (std::string why = why_no_stall(); !why.empty()) GTEST_SKIP() << why;
   test::SimProcess* sim = g_sim;
   run([sim](hcomm_context_t* ctx, int me, int n) {
     const int right = (me + 1) % n, left = (me + n - 1) % n;
@@ -789,9 +795,7 @@ TEST_P(Api, TimedOutPutWaitsForItsDmaBeforeReturning) {
 // is done (the message whole: it was claimed and read to the end), not at
 // the failure; a canary written into the buffer right after the call stays.
 TEST_P(Api, SenderDyingMidCopyLeavesTheReturnedReceiveAlone) {
-  if (!npu()) GTEST_SKIP() << "stalling the DMA engine is a simulator feature";
-  if (nodes()) GTEST_SKIP() << "across nodes the message moves over RoCE, not the DMA queue";
-  if (g_sim == nullptr) GTEST_SKIP() << "needs hcomm-sim's control socket (not reachable with HCOMM_TEST_DEVICES)";
+  if (std::string why = why_no_stall(); !why.empty()) GTEST_SKIP() << why;
   test::SimProcess* sim = g_sim;
   run(
       [sim](hcomm_context_t* ctx, int me, int n) {
@@ -854,9 +858,7 @@ TEST_P(Api, SenderDyingMidCopyLeavesTheReturnedReceiveAlone) {
 // (its send fails with PEER_FAILURE). (The stalled copy itself is a device
 // that stalls without being lost: docs/api.md.)
 TEST_P(Api, CancelOfAStuckWildcardReceiveClosesTheRankItMatched) {
-  if (!npu()) GTEST_SKIP() << "stalling the DMA engine is a simulator feature";
-  if (nodes()) GTEST_SKIP() << "across nodes the message moves over RoCE, not the DMA queue";
-  if (g_sim == nullptr) GTEST_SKIP() << "needs hcomm-sim's control socket (not reachable with HCOMM_TEST_DEVICES)";
+  if (std::string why = why_no_stall(); !why.empty()) GTEST_SKIP() << why;
   test::SimProcess* sim = g_sim;
   run([sim](hcomm_context_t* ctx, int me, int n) {
     const int sender = n - 1;
