@@ -16,7 +16,14 @@
 #             guest) noticed as peer failure within the keepalive bound;
 #   netem     the same pair with 5% loss + reordering on one guest: results
 #             exact, netem dropped packets and rxe retransmitted.
-#   tests/qemu/run-verbs.sh BUILD_DIR [loopback|pair|netem]...   (default: all three)
+#   asan      for an ASan+UBSan build (the `qemu_asan` suite, run by CI's
+#             sanitizer stage): the cancel rule's cases (timed-out blocking
+#             calls, request cancel, cancelled one-sided operations) and the
+#             key checks over verbs, in one guest (2 and 4 ranks, rendezvous
+#             by READ and by WRITE) and across the two guests, after checking
+#             that the binary in the guest does run under ASan. Late writes
+#             by the NIC are invisible to ASan: the cases check canaries.
+#   tests/qemu/run-verbs.sh BUILD_DIR [loopback|pair|netem|asan]...   (default: the first three)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 build=$(cd "$1" && pwd)
@@ -34,6 +41,12 @@ for m in "${modes[@]}"; do
                 HCOMM_RDMA_CMDS="$here/verbs/pair.cmds" bash "$here/run-rdma.sh" "$build" pair || rc=1 ;;
     netem)    HCOMM_RDMA_MEM=1024M HCOMM_RDMA_TIMEOUT=${HCOMM_VERBS_TIMEOUT:-360} \
                 HCOMM_RDMA_CMDS="$here/verbs/netem.cmds" bash "$here/run-rdma.sh" "$build" pair netem || rc=1 ;;
+    asan)     HCOMM_RDMA_FILES="$build/tests/integration_api_conformance" HCOMM_RDMA_MEM=2048M \
+                HCOMM_RDMA_TIMEOUT=${HCOMM_VERBS_TIMEOUT:-300} HCOMM_RDMA_CMDS="$here/verbs/asan.cmds" \
+                bash "$here/run-rdma.sh" "$build" loopback || rc=1
+              HCOMM_RDMA_FILES="$build/tests/integration_api_conformance" HCOMM_RDMA_MEM=1536M \
+                HCOMM_RDMA_TIMEOUT=${HCOMM_VERBS_TIMEOUT:-300} HCOMM_RDMA_CMDS="$here/verbs/asan-pair.cmds" \
+                bash "$here/run-rdma.sh" "$build" pair || rc=1 ;;
     *) echo "run-verbs: unknown mode $m" >&2; exit 2 ;;
   esac
   echo "---- run-verbs $m: $(( $(date +%s) - start ))s ----"
