@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # compare_rdma.sh: hcomm's verbs transport next to perftest and UCX (UCT
 # rc_verbs) between two QEMU guests on Soft-RoCE, in ONE run of
-# tests/qemu/run-rdma.sh pair (guest A 10.0.0.1 = server = hcomm rank 0,
-# guest B 10.0.0.2 = client = hcomm rank 1), one benchmark after the other.
+# tests/qemu/run-rdma.sh pair (guest A 10.0.0.1 = server = hcomm rank 1,
+# guest B 10.0.0.2 = client = hcomm rank 0, the initiator: every tool's
+# initiator runs in guest B and its target in guest A), one benchmark after
+# the other.
 #
 #   bench/compare_rdma.sh BUILD_DIR        (needs BUILD_DIR/tools/hcomm-bench, hcomm-probe)
 #   bench/compare_rdma.sh BUILD_DIR lat N  the 8-byte latency rows only, N rounds in the
@@ -62,13 +64,14 @@ peer() {
   echo "client $name $t ${env}hcomm-rdma client 60 $pt \$HCOMM_PEER"
   port=$((port + 1))
 }
-# hcomm NAME TIMEOUT BENCH-ARGS: rank 0 in the server guest prints its JSON as HCOMM-BENCH NAME lines
+# hcomm NAME TIMEOUT BENCH-ARGS: rank 0 (the initiator) in the client guest, as perftest's
+# and ucx_perftest's clients initiate, prints its JSON as HCOMM-BENCH NAME lines
 hcomm() {
   local name=$1 t=$2 env
   shift 2
   env="${HENV:-}${HENV:+ }HCOMM_TRANSPORTS=verbs WORLD_SIZE=2 MASTER_PORT=$mport"
-  echo "server $name $t $nice $env RANK=0 MASTER_ADDR=\$HCOMM_IP hcomm-bench $* --json -o /tmp/$name.json && sed 's/^/HCOMM-BENCH $name /' /tmp/$name.json"
-  echo "client $name $t $nice $env RANK=1 MASTER_ADDR=\$HCOMM_PEER hcomm-bench $*"
+  echo "server $name $t $nice $env RANK=1 MASTER_ADDR=\$HCOMM_PEER hcomm-bench $*"
+  echo "client $name $t $nice $env RANK=0 MASTER_ADDR=\$HCOMM_IP hcomm-bench $* --json -o /tmp/$name.json && sed 's/^/HCOMM-BENCH $name /' /tmp/$name.json"
   mport=$((mport + 1))
 }
 if [ "$rounds" -gt 0 ]; then

@@ -483,12 +483,14 @@ class Bench {
     std::memcpy(base(), zero.data(), n / 4 * 4);
   }
 
+  // A plain load loop, as ib_write_lat's and ucx_perftest's polls of their
+  // memory are: no PAUSE (in a QEMU TCG guest each one leaves the vCPU's
+  // translated code for QEMU's main loop, which slows the packets the poll
+  // waits for; see Context::spin_wait).
   static void spin_until(std::atomic_ref<uint64_t>& w, uint64_t v) {
     auto dl = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
-    for (unsigned spins = 0; w.load(std::memory_order_acquire) < v; ++spins) {
-      relax();
+    for (unsigned spins = 0; w.load(std::memory_order_acquire) < v; ++spins)
       if ((spins & 0xffff) == 0 && Clock::now() > dl) throw std::runtime_error("peer never wrote the polled word");
-    }
   }
 
   // ---- bandwidth -----------------------------------------------------------------
