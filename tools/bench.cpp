@@ -58,6 +58,8 @@
 //                  stage, which hands a credit back with an 8-byte put.
 #include <hcomm/hcomm.hpp>
 
+#include "common/barrier.h"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -78,11 +80,8 @@ using Clock = std::chrono::steady_clock;
 constexpr int kTimeoutMs = 120000;
 constexpr uint64_t kTagBase = 0x6265000000000000ull;  // "be"
 
-inline void relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
+// The busy polls' pause hint: none in a QEMU TCG guest (common/barrier.h says why).
+using hcomm::cpu_relax;
 
 double us_since(Clock::time_point t0, Clock::time_point t1) {
   return std::chrono::duration<double, std::micro>(t1 - t0).count();
@@ -483,14 +482,12 @@ class Bench {
     std::memcpy(base(), zero.data(), n / 4 * 4);
   }
 
-  // A plain load loop, as ib_write_lat's and ucx_perftest's polls of their
-  // memory are: no PAUSE (in a QEMU TCG guest each one leaves the vCPU's
-  // translated code for QEMU's main loop, which slows the packets the poll
-  // waits for; see Context::spin_wait).
   static void spin_until(std::atomic_ref<uint64_t>& w, uint64_t v) {
     auto dl = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
-    for (unsigned spins = 0; w.load(std::memory_order_acquire) < v; ++spins)
+    for (unsigned spins = 0; w.load(std::memory_order_acquire) < v; ++spins) {
+      cpu_relax();
       if ((spins & 0xffff) == 0 && Clock::now() > dl) throw std::runtime_error("peer never wrote the polled word");
+    }
   }
 
   // ---- bandwidth -----------------------------------------------------------------
@@ -633,7 +630,7 @@ class Bench {
             hcomm::check(hcomm_get(c, probe, 8, keys[q].get(), ctr, kTimeoutMs), "ps poll counter");
             if (*probe >= want) break;
             if (Clock::now() > dl) throw std::runtime_error("ps: shard owner never complete");
-            relax();
+            cpu_relax();
           }
         }
         hcomm::check(hcomm_get(c, weights + shard_off(q), shard_len(q), keys[q].get(), shard_off(q), kTimeoutMs),

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "common/barrier.h"
 #include "common/paths.h"
 #include "common/time.h"
 #include "driver/discover.h"
@@ -767,7 +768,8 @@ int cmd_rdma(const Opts& o) {
   if (list != nullptr) ::ibv_free_device_list(list);
   if (o.json) {
     std::printf("%s\n", JObj().raw("devices", jarr(jdevs)).str("memlock_soft", limit_text(ml.rlim_cur))
-                            .str("memlock_hard", limit_text(ml.rlim_max)).str("fork", fork).done().c_str());
+                            .str("memlock_hard", limit_text(ml.rlim_max)).str("fork", fork)
+                            .boolean("qemu_tcg", hcomm::under_qemu_tcg()).done().c_str());
   } else {
     if (jdevs.empty())
       std::printf("no RDMA device (for Soft-RoCE: modprobe rdma_rxe; rdma link add rxe0 type rxe netdev eth0)\n");
@@ -777,6 +779,9 @@ int cmd_rdma(const Opts& o) {
     std::printf("RLIMIT_MEMLOCK: soft %s, hard %s (registered memory is pinned against it)\n",
                 limit_text(ml.rlim_cur).c_str(), limit_text(ml.rlim_max).c_str());
     std::printf("rdma-core fork support: %s\n", fork);
+    // Over Soft-RoCE the NIC is this CPU: whether waits use the pause hint matters (common/barrier.h).
+    std::printf("CPU: %s\n", hcomm::under_qemu_tcg() ? "QEMU TCG guest (busy polls run without the pause hint)"
+                                                     : "not QEMU TCG (busy polls use the pause hint)");
   }
   return 0;
 }

@@ -714,12 +714,7 @@ bool Context::spin_wait(const std::function<bool()>& done, bool progress_each_ro
     if (progress_each_round || (round & 63) == 0) progress();
     if (done()) return true;
     if ((round & 63) != 0) {
-      // Not over a software RDMA device: there the NIC is this host's CPU
-      // (rxe's softirqs), and in a QEMU TCG guest every PAUSE leaves the
-      // vCPU's translated code for QEMU's main loop (helper_pause:
-      // cpu_loop_exit), slowing the emulator thread that delivers the very
-      // packets this wait is for. perftest's and UCX's polls have no PAUSE.
-      if (!_nap_early) cpu_relax();
+      cpu_relax();
       continue;
     }
     const Clock::time_point now = Clock::now();

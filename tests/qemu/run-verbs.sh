@@ -9,6 +9,8 @@
 #             =put: every size by READ, by WRITE), asserting verbs serves every peer
 #             and that rxe's counters moved; and, as an unprivileged user with
 #             a 64 KiB RLIMIT_MEMLOCK, init failing with a message naming it;
+#             and hcomm-probe seeing the QEMU TCG guest (whose busy polls run
+#             without the pause hint, common/barrier.h);
 #   pair      two guests = two hosts, ranks on both (torchrun-style
 #             MASTER_ADDR = the first guest): the conformance suite at 2 and 4
 #             ranks (sizes up to 1 MiB: TCG moves a few MB/s between guests),
@@ -30,7 +32,7 @@ build=$(cd "$1" && pwd)
 shift
 modes=("$@")
 [ ${#modes[@]} -gt 0 ] || modes=(loopback pair netem)
-export HCOMM_RDMA_FILES="$build/tests/integration_api_conformance $build/tests/integration_transports $build/examples/point_to_point $build/examples/put_get $build/examples/parameter_server $build/examples/pipeline"
+export HCOMM_RDMA_FILES="$build/tests/integration_api_conformance $build/tests/integration_transports $build/tools/hcomm-probe $build/examples/point_to_point $build/examples/put_get $build/examples/parameter_server $build/examples/pipeline"
 rc=0
 for m in "${modes[@]}"; do
   start=$(date +%s)

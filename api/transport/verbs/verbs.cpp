@@ -145,7 +145,6 @@ Status VerbsTransport::setup(const VerbsConfig& cfg) {
         _port = static_cast<uint8_t>(p);
         _port_attr = pa;
         _dev_name = name;
-        _software = _dev_name.rfind("rxe", 0) == 0 || _dev_name.rfind("siw", 0) == 0;
         break;
       }
     }
@@ -434,7 +433,7 @@ Status VerbsTransport::post(int peer, ibv_send_wr& wr, Op op, bool signalled) {
       poll_send();
       if (!p.up) return Status::error(Code::peer_failure, "verbs: the queue pair to rank %d is down", peer);
       if (dl.expired()) return Status::error(Code::no_resource, "verbs: send queue to rank %d full until the deadline", peer);
-      relax();
+      cpu_relax();
     }
   }
   const uint64_t id = wr_id(peer, p.sq_posted);
@@ -644,7 +643,7 @@ Status VerbsTransport::sync_wait(uint64_t id, const Deadline& dl, const char* wh
       return Status::error(code_of(wc.status), "verbs: %s: %s", what, ::ibv_wc_status_str(wc.status));
     }
     if (dl.expired()) return Status::error(Code::timeout, "verbs: %s still in flight at the deadline", what);
-    relax();
+    cpu_relax();
   }
 }
 
@@ -922,7 +921,7 @@ Status VerbsTransport::flush(int peer, const Deadline& dl) {
     for (int q = 0; q < _size; ++q) busy |= (peer < 0 || q == peer) && _peers[static_cast<size_t>(q)].async_ops > 0;
     if (!busy) return Status::ok();
     if (dl.expired()) return Status::error(Code::timeout, "flush: RDMA operations still in flight at the deadline");
-    relax();
+    cpu_relax();
   }
 }
 

@@ -45,7 +45,6 @@
 
 #include "api/transport/transport.h"
 #include "api/wireup/bootstrap.h"
-#include "common/barrier.h"
 #include "common/time.h"
 
 namespace hcomm::api {
@@ -112,11 +111,7 @@ class VerbsTransport final : public Transport {
 
   const std::string& device_name() const { return _dev_name; }
   // Soft-RoCE / soft-iWARP: the "NIC" is kernel code running on our CPUs.
-  bool software() const { return _software; }
-  // A busy poll's pause: none over a software device (Context::spin_wait says why).
-  void relax() const {
-    if (!_software) cpu_relax();
-  }
+  bool software() const { return _dev_name.rfind("rxe", 0) == 0 || _dev_name.rfind("siw", 0) == 0; }
   // "rxe0:1 gid 1 (RoCEv2 ::ffff:10.0.0.1) mtu 1024"
   std::string describe() const;
 
@@ -185,7 +180,6 @@ class VerbsTransport final : public Transport {
   Caps _caps;
   int _rank, _size;
   std::string _dev_name;
-  bool _software = false;  // rxe, siw: the NIC's work is done by this host's CPUs
   ibv_context* _dev = nullptr;
   ibv_pd* _pd = nullptr;
   ibv_cq* _scq = nullptr;
