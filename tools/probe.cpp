@@ -40,6 +40,9 @@
 #include <infiniband/verbs.h>
 #include <net/if.h>
 #include <sys/resource.h>
+
+#include "api/transport/verbs/gid_rule.h"
+namespace gid_rule = hcomm::api::gid_rule;
 #endif
 
 using namespace hcomm;
@@ -648,36 +651,17 @@ std::string gid_addr(const ibv_gid& g, bool* v4) {
 }
 
 struct GidRow {
-  uint32_t index;
+  gid_rule::Entry e;
   std::string type, addr, netdev;
-  int score;  // the choose_gid rule: 0 RoCEv2 IPv4, 1 RoCEv2 global IPv6, 2 other RoCEv2, 3 RoCEv1/IB; -1 forced
 };
 
-// The GID the verbs transport picks (api/transport/verbs/verbs.cpp choose_gid):
-// HCOMM_IB_GID (an index or an address) if set; else on InfiniBand index 0,
-// else the first RoCEv2 IPv4 GID, then the first RoCEv2 global IPv6 one.
-int pick_gid(std::vector<GidRow>& rows, bool ib, const char* force) {
-  if (ib && force == nullptr) return rows.empty() || rows[0].index != 0 ? -1 : 0;
-  int best = -1, best_score = 99;
-  for (size_t i = 0; i < rows.size(); ++i) {
-    GidRow& r = rows[i];
-    if (force != nullptr) {
-      std::string f = force;
-      bool pick;
-      in_addr a4{};
-      in6_addr a6{};
-      char b[INET6_ADDRSTRLEN] = "";
-      if (f.find_first_not_of("0123456789") == std::string::npos) pick = std::atoi(force) == static_cast<int>(r.index);
-      else if (::inet_pton(AF_INET, force, &a4) == 1) pick = ::inet_ntop(AF_INET, &a4, b, sizeof b) && r.addr == b;
-      else pick = ::inet_pton(AF_INET6, force, &a6) == 1 && ::inet_ntop(AF_INET6, &a6, b, sizeof b) && r.addr == b;
-      if (!pick) continue;
-      r.score = -1;
-    } else if (r.score > 1) {
-      continue;
-    }
-    if (r.score < best_score) best = static_cast<int>(i), best_score = r.score;
-  }
-  return best;
+// The GID the verbs transport picks (the rule of api/transport/verbs/gid_rule.h;
+// on InfiniBand index 0 unless HCOMM_IB_GID is set): its position in rows, or -1.
+int pick_gid(const std::vector<GidRow>& rows, bool ib, const char* force) {
+  if (ib && force == nullptr) return rows.empty() || rows[0].e.index != 0 ? -1 : 0;
+  std::vector<gid_rule::Entry> t;
+  for (const GidRow& r : rows) t.push_back(r.e);
+  return gid_rule::choose(t, force != nullptr ? force : "");
 }
 
 std::string limit_text(rlim_t v) { return v == RLIM_INFINITY ? "unlimited" : std::to_string(v / 1024) + " KiB"; }
@@ -728,13 +712,14 @@ int cmd_rdma(const Opts& o) {
         bool zero = true, v4 = false;
         for (uint8_t b : e.gid.raw) zero &= b == 0;
         if (zero) continue;
-        GidRow r{static_cast<uint32_t>(i), "", gid_addr(e.gid, &v4), "", 3};
+        GidRow r;
+        r.addr = gid_addr(e.gid, &v4);
+        r.e.index = static_cast<uint32_t>(i);
+        std::memcpy(r.e.raw, e.gid.raw, sizeof r.e.raw);
+        r.e.roce_v2 = e.gid_type == IBV_GID_TYPE_ROCE_V2;
         char ifn[IF_NAMESIZE] = "";
         if (e.ndev_ifindex != 0 && ::if_indextoname(e.ndev_ifindex, ifn) != nullptr) r.netdev = ifn;
-        const bool v2 = e.gid_type == IBV_GID_TYPE_ROCE_V2;
-        const bool ll = e.gid.raw[0] == 0xfe && (e.gid.raw[1] & 0xc0) == 0x80;
-        r.type = v2 ? (v4 ? "RoCEv2 IPv4" : "RoCEv2") : e.gid_type == IBV_GID_TYPE_ROCE_V1 ? "RoCEv1" : "IB";
-        r.score = v2 && v4 ? 0 : v2 && !ll ? 1 : v2 ? 2 : 3;
+        r.type = r.e.roce_v2 ? (v4 ? "RoCEv2 IPv4" : "RoCEv2") : e.gid_type == IBV_GID_TYPE_ROCE_V1 ? "RoCEv1" : "IB";
         rows.push_back(r);
       }
       const int pick = pick_gid(rows, ib, env_gid);
@@ -744,7 +729,7 @@ int cmd_rdma(const Opts& o) {
                     ::ibv_port_state_str(pa.state), ib ? "InfiniBand" : "Ethernet", mtu.c_str(), pa.max_msg_sz,
                     use ? "  <- hcomm uses this port" : "");
         for (size_t i = 0; i < rows.size(); ++i)
-          std::printf("    gid %-3u %-11s %-40s %s%s\n", rows[i].index, rows[i].type.c_str(), rows[i].addr.c_str(),
+          std::printf("    gid %-3u %-11s %-40s %s%s\n", rows[i].e.index, rows[i].type.c_str(), rows[i].addr.c_str(),
                       rows[i].netdev.c_str(), static_cast<int>(i) == pick ? "  <- hcomm's GID" : "");
         if (rows.empty()) std::printf("    (no GID)\n");
         if (pick < 0)
@@ -753,11 +738,11 @@ int cmd_rdma(const Opts& o) {
       }
       std::vector<std::string> jg;
       for (auto& r : rows)
-        jg.push_back(JObj().num("index", r.index).str("type", r.type).str("address", r.addr).str("netdev", r.netdev).done());
+        jg.push_back(JObj().num("index", r.e.index).str("type", r.type).str("address", r.addr).str("netdev", r.netdev).done());
       JObj jp;
       jp.num("port", p).str("state", ::ibv_port_state_str(pa.state)).str("link_layer", ib ? "InfiniBand" : "Ethernet")
           .num("active_mtu", 128u << static_cast<int>(pa.active_mtu)).num("max_msg_sz", pa.max_msg_sz)
-          .raw("gids", jarr(jg)).inum("hcomm_gid", pick < 0 ? -1 : rows[static_cast<size_t>(pick)].index)
+          .raw("gids", jarr(jg)).inum("hcomm_gid", pick < 0 ? -1 : rows[static_cast<size_t>(pick)].e.index)
           .boolean("hcomm_port", use);
       jports.push_back(jp.done());
     }

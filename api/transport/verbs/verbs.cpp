@@ -1,5 +1,7 @@
 #include "api/transport/verbs/verbs.h"
 
+#include "api/transport/verbs/gid_rule.h"
+
 #include <arpa/inet.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -224,9 +226,9 @@ Status VerbsTransport::setup(const VerbsConfig& cfg) {
   return Status::ok();
 }
 
-// RoCEv2 with an IPv4 address first, then RoCEv2 global IPv6; link-local and
-// RoCEv1 only when forced (HCOMM_IB_GID = an index or an address). InfiniBand
-// ports route by LID with GID index 0.
+// The rule of gid_rule.h (RoCEv2 IPv4 first, then RoCEv2 global IPv6;
+// link-local and RoCEv1 only when forced). InfiniBand ports route by LID with
+// GID index 0.
 Status VerbsTransport::choose_gid(const VerbsConfig& cfg) {
   if (_port_attr.link_layer == IBV_LINK_LAYER_INFINIBAND && cfg.gid.empty()) {
     _gid_index = 0;
@@ -234,8 +236,8 @@ Status VerbsTransport::choose_gid(const VerbsConfig& cfg) {
     _gid_desc = "gid 0 (IB " + gid_text(_gid) + ") lid " + std::to_string(_port_attr.lid);
     return Status::ok();
   }
-  int best = -1, best_score = 99;
-  ibv_gid_entry best_e{};
+  std::vector<gid_rule::Entry> rows;
+  std::vector<ibv_gid_entry> entries;
   std::string table;
   for (int i = 0; i < _port_attr.gid_tbl_len; ++i) {
     ibv_gid_entry e{};
@@ -243,42 +245,26 @@ Status VerbsTransport::choose_gid(const VerbsConfig& cfg) {
     bool zero = true;
     for (uint8_t b : e.gid.raw) zero &= b == 0;
     if (zero) continue;
-    bool v4 = true;
-    for (int j = 0; j < 10; ++j) v4 &= e.gid.raw[j] == 0;
-    v4 &= e.gid.raw[10] == 0xff && e.gid.raw[11] == 0xff;
-    const bool ll = e.gid.raw[0] == 0xfe && (e.gid.raw[1] & 0xc0) == 0x80;
-    const bool v2 = e.gid_type == IBV_GID_TYPE_ROCE_V2;
-    int score = v2 && v4 ? 0 : v2 && !ll ? 1 : v2 ? 2 : 3;
+    gid_rule::Entry g;
+    g.index = static_cast<uint32_t>(i);
+    std::memcpy(g.raw, e.gid.raw, sizeof g.raw);
+    g.roce_v2 = e.gid_type == IBV_GID_TYPE_ROCE_V2;
+    rows.push_back(g);
+    entries.push_back(e);
     // (Appended piece by piece: GCC 12's -Wrestrict misfires on a chain of
     // std::string operator+ in release builds.)
     table += ' ';
     table += std::to_string(i);
-    table += v2 ? "=v2:" : "=v1:";
+    table += g.roce_v2 ? "=v2:" : "=v1:";
     table += gid_text(e.gid);
-    bool pick = false;
-    if (!cfg.gid.empty()) {
-      if (cfg.gid.find_first_not_of("0123456789") == std::string::npos) {
-        pick = std::atoi(cfg.gid.c_str()) == i;
-      } else {
-        in_addr a4{};
-        in6_addr a6{};
-        if (::inet_pton(AF_INET, cfg.gid.c_str(), &a4) == 1) pick = v4 && std::memcmp(e.gid.raw + 12, &a4, 4) == 0;
-        else if (::inet_pton(AF_INET6, cfg.gid.c_str(), &a6) == 1) pick = std::memcmp(e.gid.raw, &a6, 16) == 0;
-      }
-      if (pick) score = -1;
-    } else if (score > 1) {
-      continue;  // link-local or RoCEv1: only when forced
-    }
-    if (score < best_score) {
-      best = i;
-      best_score = score;
-      best_e = e;
-    }
   }
-  if (best < 0 || (!cfg.gid.empty() && best_score != -1))
+  const int pick = gid_rule::choose(rows, cfg.gid);
+  if (pick < 0)
     return Status::error(Code::not_found, "verbs: %s:%u has no %s GID (table:%s)", _dev_name.c_str(), _port,
                          cfg.gid.empty() ? "RoCEv2 IPv4 or global IPv6" : ("HCOMM_IB_GID=" + cfg.gid).c_str(),
                          table.empty() ? " empty" : table.c_str());
+  const ibv_gid_entry& best_e = entries[static_cast<size_t>(pick)];
+  const int best = static_cast<int>(rows[static_cast<size_t>(pick)].index);
   _gid_index = best;
   _gid = best_e.gid;
   _gid_desc = "gid " + std::to_string(best) + " (" +
