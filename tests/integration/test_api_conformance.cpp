@@ -1425,6 +1425,61 @@ TEST_P(Api, SilentPeerIsPeerFailureWithinTheBound) {
       90);
 }
 
+// The other way a silent peer is noticed: an RDMA operation to it runs out of
+// transport retries. With HCOMM_IB_TIMEOUT=t and HCOMM_IB_RETRY=r the queue
+// pair gives up after 4.096 us x 2^t x (r+1); the keepalive is set far longer
+// (HCOMM_KEEPALIVE_MS), so only the queue pair can end the put in time.
+TEST_P(Api, SilentPeerUnderRdmaIsPeerFailureWithinTheQueuePairBound) {
+  const char* silence = std::getenv("HCOMM_TEST_SILENCE_CMD");
+  const char* to = std::getenv("HCOMM_IB_TIMEOUT");
+  const char* re = std::getenv("HCOMM_IB_RETRY");
+  const char* ka = std::getenv("HCOMM_KEEPALIVE_MS");
+  if (silence == nullptr || to == nullptr || re == nullptr || ka == nullptr || test::spread().hosts < 2 ||
+      GetParam().ranks != 2)
+    GTEST_SKIP() << "needs two machines (spread mode, 2 ranks), HCOMM_TEST_SILENCE_CMD, HCOMM_IB_TIMEOUT, "
+                    "HCOMM_IB_RETRY and HCOMM_KEEPALIVE_MS";
+  const double bound_ms = 4.096e-3 * std::ldexp(1.0, std::atoi(to)) * (std::atoi(re) + 1);
+  const double slack_ms = 3000;  // rxe's timer runs in jiffies, and TCG guests are slow
+  ASSERT_LT(bound_ms + slack_ms, std::atof(ka)) << "the keepalive would notice first";
+  const std::string cmd = silence;
+  run(
+      [&](hcomm_context_t* ctx, int me, int) {
+        hcomm_mem_t* w;
+        RCHECK_OK(hcomm_mem_alloc(ctx, 4096, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
+        auto keys = exchange_keys(ctx, w, 13);
+        RCHECK_OK(hcomm_barrier(ctx, T));
+        if (me == 1) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));
+          RCHECK(std::system(cmd.c_str()) == 0) << cmd;
+          // Silent until rank 0 is surely done (its last put fails within the bound).
+          std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(bound_ms + slack_ms) + 2000));
+          ::_exit(0);  // never finalizes
+        }
+        auto* src = static_cast<uint8_t*>(hcomm_mem_ptr(w));
+        std::memset(src, 7, 64);
+        // Put until a put fails: the ones before the silence succeed.
+        const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        hcomm_status_t st = HCOMM_OK;
+        long long ms = 0;
+        int puts = 0;
+        while (st == HCOMM_OK && std::chrono::steady_clock::now() < give_up) {
+          auto t0 = std::chrono::steady_clock::now();
+          st = hcomm_put(ctx, src, 64, keys[1], 0, 60000);
+          ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+          ++puts;
+          if (st == HCOMM_OK) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+        const std::string why = hcomm_last_error();
+        std::fprintf(stderr, "[rank 0] put %d failed after %lld ms (queue pair bound %.0f ms): %s\n", puts, ms, bound_ms,
+                     why.c_str());
+        RCHECK_EQ_STATUS(st, HCOMM_ERR_PEER_FAILURE);
+        RCHECK(why.find("retry") != std::string::npos) << "not the queue pair's retries: " << why;
+        RCHECK(ms < bound_ms + slack_ms) << "noticed only after " << ms << " ms";
+        ::_exit(0);  // finalize's barrier would wait for the silent rank
+      },
+      90);
+}
+
 // The simulator's fault injection reaches the API as clear statuses (NPU only).
 TEST_P(Api, InjectedDeviceFaultsSurfaceAndCorruptionIsCaught) {
   if (!npu()) GTEST_SKIP() << "fault injection is a simulator feature";

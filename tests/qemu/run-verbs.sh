@@ -15,7 +15,12 @@
 #             MASTER_ADDR = the first guest): the conformance suite at 2 and 4
 #             ranks (sizes up to 1 MiB: TCG moves a few MB/s between guests),
 #             the four examples, and a silent peer (netem loss 100% on one
-#             guest) noticed as peer failure within the keepalive bound;
+#             guest) noticed as peer failure within the keepalive bound, and
+#             again while a put is in flight, with HCOMM_IB_TIMEOUT=12,
+#             HCOMM_IB_RETRY=2 and a 60 s keepalive: the queue pair's retries
+#             end it within 4.096 us x 2^12 x 3 (+ slack);
+#   (loopback and pair also check that rxe neither sent nor received an RNR
+#   NAK: the credits keep every SEND inside a posted receive buffer)
 #   netem     the same pair with 5% loss + reordering on one guest: results
 #             exact, netem dropped packets and rxe retransmitted.
 #   asan      for an ASan+UBSan build (the `qemu_asan` suite, run by CI's
