@@ -1078,6 +1078,43 @@ TEST_P(Api, AccumulateEveryDtypeAndOpFromAllRanksAtOnce) {
   });
 }
 
+// Accumulates larger than one atomic step (verbs: 1 MiB chunks, each under
+// the owner's lock word) from every rank at once, the owner included, at an
+// offset that no chunk boundary lines up with: every element must see every
+// rank's addition exactly once.
+TEST_P(Api, LargeAccumulatesFromEveryRankAtOnceAreElementWiseAtomic) {
+  run([](hcomm_context_t* ctx, int me, int n) {
+    const size_t bytes = std::min<size_t>(max_bytes(), (5u << 19) + 12) & ~size_t{3};  // 2.5 MiB + 12 B
+    const size_t count = bytes / 4 - 1;                                               // from offset 4
+    hcomm_mem_t *w, *l;
+    RCHECK_OK(hcomm_mem_alloc(ctx, bytes, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
+    RCHECK_OK(hcomm_mem_alloc(ctx, bytes, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
+    auto keys = exchange_keys(ctx, w, 14);
+    auto* wp = static_cast<float*>(hcomm_mem_ptr(w));
+    auto* lp = static_cast<float*>(hcomm_mem_ptr(l));
+    for (size_t i = 0; i < bytes / 4; ++i) wp[i] = 1.0f;
+    for (size_t i = 0; i < count; ++i) lp[i] = static_cast<float>((me + 1) * (1 + i % 3));
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    for (int round = 0; round < 2; ++round)
+      RCHECK_OK(hcomm_accumulate(ctx, lp, count, HCOMM_FP32, HCOMM_SUM, keys[0], 4, T)) << "round " << round;
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    if (me == 0) {
+      const float ranks = static_cast<float>(n * (n + 1) / 2);  // sum of me + 1
+      RCHECK(wp[0] == 1.0f) << "the word before the range changed: " << wp[0];
+      size_t bad = 0, first = 0;
+      for (size_t i = 0; i < count; ++i) {
+        const float want = 1.0f + 2 * ranks * static_cast<float>(1 + i % 3);
+        if (wp[1 + i] != want && bad++ == 0) first = i;
+      }
+      RCHECK(bad == 0) << bad << " of " << count << " elements wrong, first " << first << ": " << wp[1 + first];
+    }
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    release_keys(keys);
+    RCHECK_OK(hcomm_mem_release(w));
+    RCHECK_OK(hcomm_mem_release(l));
+  });
+}
+
 TEST_P(Api, PutWithNotifyAndNonblockingFlushFence) {
   run([](hcomm_context_t* ctx, int me, int n) {
     const size_t s = 1u << 20;
@@ -1090,11 +1127,12 @@ TEST_P(Api, PutWithNotifyAndNonblockingFlushFence) {
     const int right = (me + 1) % n, left = (me + n - 1) % n;
     auto* lp = static_cast<uint8_t*>(hcomm_mem_ptr(l));
     auto* wp = static_cast<uint8_t*>(hcomm_mem_ptr(w));
+    const size_t pn = std::min(s, max_bytes());  // what put_notify moves (the netem run caps it)
     for (uint64_t step = 1; step <= 5; ++step) {
-      for (size_t i = 0; i < s; ++i) lp[i] = pattern(me, step, i);
-      RCHECK_OK(hcomm_put_notify(ctx, lp, s, wk[right], 0, fk[right], 8, step, T));
+      for (size_t i = 0; i < pn; ++i) lp[i] = pattern(me, step, i);
+      RCHECK_OK(hcomm_put_notify(ctx, lp, pn, wk[right], 0, fk[right], 8, step, T));
       RCHECK_OK(hcomm_notify_wait(ctx, flag, 8, step, T)) << "step " << step;
-      for (size_t i = 0; i < s; i += 97) RCHECK(wp[i] == pattern(left, step, i)) << "data behind the notify, step " << step;
+      for (size_t i = 0; i < pn; i += 97) RCHECK(wp[i] == pattern(left, step, i)) << "data behind the notify, step " << step;
       RCHECK_OK(hcomm_barrier(ctx, T));  // the left neighbour may overwrite only after we checked
     }
     // Nonblocking puts into disjoint slices, a fence, an overlapping put, a flush.

@@ -21,8 +21,11 @@
 #             end it within 4.096 us x 2^12 x 3 (+ slack);
 #   (loopback and pair also check that rxe neither sent nor received an RNR
 #   NAK: the credits keep every SEND inside a posted receive buffer)
-#   netem     the same pair with 5% loss + reordering on one guest: results
-#             exact, netem dropped packets and rxe retransmitted.
+#   netem     the same pair with 5% loss + reordering on one guest, sizes up to
+#             64 KiB: send/recv (rendezvous by READ, then by WRITE with
+#             HCOMM_RNDV=put), truncation, put/get, implicit operations and
+#             flush, put_notify, fence, accumulate, fetch atomics and the key
+#             checks: results exact, netem dropped packets and rxe retransmitted.
 #   asan      for an ASan+UBSan build (the `qemu_asan` suite, run by CI's
 #             sanitizer stage): the cancel rule's cases (timed-out blocking
 #             calls, request cancel, cancelled one-sided operations) and the
