@@ -13,7 +13,7 @@ lf=${LF_BUILD:-build-lf}
 std=${BUILD_DIR:-build}
 corpus=${CORPUS:-$lf/corpus}
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(vfio_user_server vfio_caps am_header verbs_wire rkey roce_wire bootstrap_frames mesh sim_control tool_args)
+[ ${#targets[@]} -gt 0 ] || targets=(vfio_user_server vfio_caps am_header verbs_wire key_section rkey roce_wire bootstrap_frames mesh sim_control tool_args)
 command -v clang++ > /dev/null || { echo "fuzz.sh: needs clang (apt-get install clang)" >&2; exit 2; }
 [ -d "$lf" ] || CC=clang CXX=clang++ meson setup "$lf" -Dlibfuzzer=true -Db_sanitize=address,undefined \
   -Db_lundef=false -Dpython=disabled

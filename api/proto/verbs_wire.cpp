@@ -89,4 +89,28 @@ Status parse_npu_roce_wire(const std::vector<std::string>& blobs, int nranks, in
   return parse_wire<NpuRoceWireHdr>("npu_roce", kNpuRoceWireMagic, kNpuRoceWireVersion, blobs, nranks, my_rank, out);
 }
 
+Status parse_verbs_key_section(const uint8_t* sec, size_t len, bool device_memory, uint32_t* rkey) {
+  if (len != 4) return Status::error(Code::protocol_error, "rkey_import: verbs section of %zu bytes", len);
+  if (device_memory) return Status::error(Code::protocol_error, "rkey_import: verbs section on device memory");
+  std::memcpy(rkey, sec, 4);
+  return Status::ok();
+}
+
+Status parse_npu_roce_key_section(const uint8_t* sec, size_t len, uint32_t* key, uint64_t* iova) {
+  if (len != 12) return Status::error(Code::protocol_error, "rkey_import: npu_roce section of %zu bytes", len);
+  std::memcpy(key, sec, 4);
+  std::memcpy(iova, sec + 4, 8);
+  return Status::ok();
+}
+
+Status check_reg_entry(const RegClaim& k, const RegTableEntry& e) {
+  if (e.gen != k.gen || (e.gen & 1u) == 0)
+    return Status::error(Code::access_denied, "rkey_import: key of rank %d is revoked or stale (slot %u)", k.peer,
+                         k.slot);
+  if (e.addr != k.addr || e.size != k.size || (k.rights & ~e.rights) != 0 || e.key != k.key)
+    return Status::error(Code::access_denied, "rkey_import: key does not match rank %d's registration (forged?)",
+                         k.peer);
+  return Status::ok();
+}
+
 }  // namespace hcomm::api

@@ -96,4 +96,38 @@ std::string npu_roce_wire_absent(const std::string& why);
 Status parse_npu_roce_wire(const std::vector<std::string>& blobs, int nranks, int my_rank,
                            std::vector<NpuRoceWire>* out);
 
+// ---- keys: what peers read of each other's registrations (verbs, npu_roce) ----
+// Each rank publishes its registrations in a table (one entry per slot) that
+// peers RDMA READ when they import a key; the key's section names the
+// transport's handle for the memory. Import accepts a key only when the
+// entry, read at that moment, is live, of the key's generation, and says
+// what the key says.
+struct RegTableEntry {
+  uint64_t gen;   // odd while registered
+  uint64_t addr;  // verbs: the owner's virtual address; npu_roce: the IOVA
+  uint64_t size;
+  uint32_t rights;
+  uint32_t key;   // the rkey (verbs) or the engine's memory key (npu_roce)
+};
+static_assert(sizeof(RegTableEntry) == 32, "peers read the registration table");
+
+// What an imported key claims: its header (peer, slot, generation, address,
+// size, rights) and its transport section's key (and, for npu_roce, the IOVA
+// as addr).
+struct RegClaim {
+  int peer = -1;
+  uint32_t slot = 0;
+  uint64_t gen = 0, addr = 0, size = 0;
+  uint32_t rights = 0, key = 0;
+};
+
+// The sections, as a peer packed them. verbs: the rkey (4 bytes, host order;
+// none for device memory, which the NIC cannot reach). npu_roce: the memory
+// key (4) and the IOVA (8). protocol_error when malformed.
+Status parse_verbs_key_section(const uint8_t* sec, size_t len, bool device_memory, uint32_t* rkey);
+Status parse_npu_roce_key_section(const uint8_t* sec, size_t len, uint32_t* key, uint64_t* iova);
+// access_denied unless the owner's entry is live, of the claim's generation,
+// and matches it (address, size, key; the claim's rights within the entry's).
+Status check_reg_entry(const RegClaim& k, const RegTableEntry& e);
+
 }  // namespace hcomm::api

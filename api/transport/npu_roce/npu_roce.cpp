@@ -457,7 +457,7 @@ Status NpuRoceTransport::mem_add(hcomm_mem& m) {
   if (!st) return Status(st.code(), "npu_roce: memory key: " + st.message());
   m.roce_key = key;
   Entry& e = reinterpret_cast<Entry*>(_table.data())[m.slot];
-  e.iova = m.npu.iova;
+  e.addr = m.npu.iova;
   e.size = m.size;
   e.rights = m.access;
   e.key = key;
@@ -503,11 +503,9 @@ bool NpuRoceTransport::pack(const hcomm_mem& m, uint8_t* sec, size_t* len) const
 }
 
 Status NpuRoceTransport::import(hcomm_rkey& k, const uint8_t* sec, size_t len) {
-  if (len != 12) return Status::error(Code::protocol_error, "rkey_import: npu_roce section of %zu bytes", len);
   uint32_t key = 0;
   uint64_t iova = 0;
-  std::memcpy(&key, sec, 4);
-  std::memcpy(&iova, sec + 4, 8);
+  HCOMM_TRY(parse_npu_roce_key_section(sec, len, &key, &iova));
   RPeer& p = _peers[static_cast<size_t>(k.peer)];
   if (!p.up) return Status::error(Code::unsupported, "npu_roce: no queue pair to rank %d", k.peer);
   // The owner's registration as its table says now (the target takes no
@@ -522,12 +520,7 @@ Status NpuRoceTransport::import(hcomm_rkey& k, const uint8_t* sec, size_t len) {
   HCOMM_TRY(sync_wait(k.peer, id, Deadline::after_ms(30000), "reading the owner's registration table"));
   Entry e{};
   std::memcpy(&e, reinterpret_cast<uint64_t*>(_scratch.data()) + kEntryWord, sizeof e);
-  if (e.gen != k.h.gen || (e.gen & 1u) == 0)
-    return Status::error(Code::access_denied, "rkey_import: key of rank %d is revoked or stale (slot %u)", k.peer,
-                         k.h.slot);
-  if (e.iova != iova || e.size != k.h.size || (k.h.rights & ~e.rights) != 0 || e.key != key)
-    return Status::error(Code::access_denied, "rkey_import: key does not match rank %d's registration (forged?)",
-                         k.peer);
+  HCOMM_TRY(check_reg_entry({k.peer, k.h.slot, k.h.gen, iova, k.h.size, k.h.rights, key}, e));
   k.roce_key = key;
   k.roce_iova = iova;
   return validate(k);

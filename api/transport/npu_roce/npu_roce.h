@@ -136,14 +136,8 @@ class NpuRoceTransport final : public Transport {
     uint32_t table_key = 0, mailbox_key = 0;
     uint64_t completions = 0;
   };
-  // The registration table's entry (32 bytes, read by peers).
-  struct Entry {
-    uint64_t gen;  // odd while registered
-    uint64_t iova;
-    uint64_t size;
-    uint32_t rights;
-    uint32_t key;
-  };
+  // The registration table's entry (addr: the IOVA), read by peers.
+  using Entry = RegTableEntry;
 
   NpuRoceTransport(Context& ctx, AmSink& sink, hal::npu::Device& dev);
   Status setup(const NpuRoceConfig& cfg, const std::vector<bool>& same_host);

@@ -170,8 +170,8 @@ Status VerbsTransport::setup(const VerbsConfig& cfg) {
     return Status::error(Code::no_resource, "verbs: ibv_create_cq: %s%s", std::strerror(errno), memlock_hint().c_str());
   _am_mem.assign(static_cast<size_t>(_size) * (kRecvDepth + kSendRing) * kSlot, 0);
   HCOMM_TRY(reg(_am_mem.data(), _am_mem.size(), IBV_ACCESS_LOCAL_WRITE, &_am_mr, "message buffers"));
-  _table.assign(kMaxRegs, VRegEntry{});
-  HCOMM_TRY(reg(_table.data(), _table.size() * sizeof(VRegEntry), IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ,
+  _table.assign(kMaxRegs, RegTableEntry{});
+  HCOMM_TRY(reg(_table.data(), _table.size() * sizeof(RegTableEntry), IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ,
                 &_table_mr, "registration table"));
   _locks.assign(kLockStripes, 0);
   HCOMM_TRY(reg(_locks.data(), _locks.size() * 8,
@@ -687,11 +687,11 @@ Status VerbsTransport::mem_add(hcomm_mem& m) {
   ibv_mr* mr = nullptr;
   HCOMM_TRY(reg(m.ptr, m.size, acc, &mr, "registered memory"));
   m.verbs_mr = mr;
-  VRegEntry& e = _table[m.slot];
+  RegTableEntry& e = _table[m.slot];
   e.addr = reinterpret_cast<uint64_t>(m.ptr);
   e.size = m.size;
   e.rights = m.access;
-  e.rkey = mr->rkey;
+  e.key = mr->rkey;
   std::atomic_ref<uint64_t>(e.gen).store(m.gen, std::memory_order_release);
   return Status::ok();
 }
@@ -737,30 +737,22 @@ bool VerbsTransport::pack(const hcomm_mem& m, uint8_t* sec, size_t* len) const {
 }
 
 Status VerbsTransport::import(hcomm_rkey& k, const uint8_t* sec, size_t len) {
-  if (len != 4) return Status::error(Code::protocol_error, "rkey_import: verbs section of %zu bytes", len);
-  if (static_cast<MemKind>(k.h.kind) == MemKind::device)
-    return Status::error(Code::protocol_error, "rkey_import: verbs section on device memory");
-  uint32_t rkey;
-  std::memcpy(&rkey, sec, 4);
+  uint32_t rkey = 0;
+  HCOMM_TRY(parse_verbs_key_section(sec, len, static_cast<MemKind>(k.h.kind) == MemKind::device, &rkey));
   // The owner's registration as its table says now (the target takes no part:
   // an RDMA READ of the 32-byte entry).
-  VRegEntry e{};
+  RegTableEntry e{};
   if (k.peer == _rank) {
     e = _table[k.h.slot];
   } else {
     VPeer& p = _peers[static_cast<size_t>(k.peer)];
     if (!p.up) return Status::error(Code::unsupported, "verbs: no queue pair to rank %d", k.peer);
     HCOMM_TRY(sync_rdma(k.peer, IBV_WR_RDMA_READ, &_scratch[kEntryWord], _scratch_mr->lkey,
-                        p.table_addr + static_cast<uint64_t>(k.h.slot) * sizeof(VRegEntry), p.table_rkey,
-                        sizeof(VRegEntry), "reading the owner's registration table"));
+                        p.table_addr + static_cast<uint64_t>(k.h.slot) * sizeof(RegTableEntry), p.table_rkey,
+                        sizeof(RegTableEntry), "reading the owner's registration table"));
     std::memcpy(&e, &_scratch[kEntryWord], sizeof e);
   }
-  if (e.gen != k.h.gen || (e.gen & 1u) == 0)
-    return Status::error(Code::access_denied, "rkey_import: key of rank %d is revoked or stale (slot %u)", k.peer,
-                         k.h.slot);
-  if (e.addr != k.h.addr || e.size != k.h.size || (k.h.rights & ~e.rights) != 0 || e.rkey != rkey)
-    return Status::error(Code::access_denied, "rkey_import: key does not match rank %d's registration (forged?)",
-                         k.peer);
+  HCOMM_TRY(check_reg_entry({k.peer, k.h.slot, k.h.gen, k.h.addr, k.h.size, k.h.rights, rkey}, e));
   k.vrkey = rkey;
   return validate(k);
 }

@@ -43,6 +43,7 @@
 #include <string>
 #include <vector>
 
+#include "api/proto/verbs_wire.h"
 #include "api/transport/transport.h"
 #include "api/wireup/bootstrap.h"
 #include "common/time.h"
@@ -199,14 +200,7 @@ class VerbsTransport final : public Transport {
   std::vector<uint8_t> _am_mem;
   ibv_mr* _am_mr = nullptr;
   // registration table (RegEntry x kMaxRegs) + lock words, readable/atomic by peers
-  struct VRegEntry {
-    uint64_t gen;  // odd while registered
-    uint64_t addr;
-    uint64_t size;
-    uint32_t rights;
-    uint32_t rkey;
-  };
-  std::vector<VRegEntry> _table;  // followed by locks in _locks
+  std::vector<RegTableEntry> _table;  // followed by locks in _locks
   std::vector<uint64_t> _locks;
   ibv_mr* _table_mr = nullptr;
   ibv_mr* _locks_mr = nullptr;
