@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "common/barrier.h"
+#include "common/env.h"
 #include "common/paths.h"
 #include "common/time.h"
 #include "driver/discover.h"
@@ -671,9 +672,10 @@ int cmd_rdma(const Opts& o) {
   ::getrlimit(RLIMIT_MEMLOCK, &ml);
   const ibv_fork_status fs = ::ibv_is_fork_initialized();
   const char* fork = fs == IBV_FORK_UNNEEDED ? "unneeded" : fs == IBV_FORK_ENABLED ? "enabled" : "disabled";
-  const char* env_dev = std::getenv("HCOMM_IB_DEVICE");
-  const char* env_port = std::getenv("HCOMM_IB_PORT");
-  const char* env_gid = std::getenv("HCOMM_IB_GID");
+  // As the transport reads them (common/env.h): set but empty is unset.
+  const char* env_dev = hcomm::env("HCOMM_IB_DEVICE");
+  const char* env_port = hcomm::env("HCOMM_IB_PORT");
+  const char* env_gid = hcomm::env("HCOMM_IB_GID");
   std::string want_dev = env_dev != nullptr ? env_dev : "";
   int want_port = env_port != nullptr ? std::atoi(env_port) : 0;
   if (auto c = want_dev.find(':'); c != std::string::npos) want_port = std::atoi(want_dev.c_str() + c + 1), want_dev.resize(c);

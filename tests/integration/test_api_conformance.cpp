@@ -1078,6 +1078,42 @@ TEST_P(Api, AccumulateEveryDtypeAndOpFromAllRanksAtOnce) {
   });
 }
 
+// Accumulate at every size class up to 64 MiB (HCOMM_TEST_MAX_BYTES caps it):
+// one element, a page and one, a verbs chunk (1 MiB) and either side of it,
+// 64 MiB; each rank into its right neighbour, fp32 sum, 4 bytes in.
+TEST_P(Api, AccumulateEverySize) {
+  run([](hcomm_context_t* ctx, int me, int n) {
+    const size_t win = (64u << 20) + 64;
+    hcomm_mem_t *w, *l;
+    RCHECK_OK(hcomm_mem_alloc(ctx, win, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
+    RCHECK_OK(hcomm_mem_alloc(ctx, win, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
+    auto keys = exchange_keys(ctx, w, 15);
+    auto* wp = static_cast<float*>(hcomm_mem_ptr(w));
+    auto* lp = static_cast<float*>(hcomm_mem_ptr(l));
+    const int right = (me + 1) % n, left = (me + n - 1) % n;
+    auto mine = [](int rank, size_t i) { return static_cast<float>((rank + 1) * (1 + i % 5)); };
+    for (size_t s : {size_t{4}, size_t{4100}, (size_t{1} << 20) - 4, size_t{1} << 20, (size_t{1} << 20) + 4,
+                     size_t{64} << 20}) {
+      if (s > max_bytes()) continue;
+      const size_t count = s / 4;
+      for (size_t i = 0; i < count + 2; ++i) wp[i] = 2.0f;
+      for (size_t i = 0; i < count; ++i) lp[i] = mine(me, i);
+      RCHECK_OK(hcomm_barrier(ctx, T));
+      RCHECK_OK(hcomm_accumulate(ctx, lp, count, HCOMM_FP32, HCOMM_SUM, keys[right], 4, T)) << "size " << s;
+      RCHECK_OK(hcomm_barrier(ctx, T));
+      RCHECK(wp[0] == 2.0f && wp[count + 1] == 2.0f) << "size " << s << ": a word outside the range changed";
+      size_t bad = 0, first = 0;
+      for (size_t i = 0; i < count; ++i)
+        if (wp[1 + i] != 2.0f + mine(left, i) && bad++ == 0) first = i;
+      RCHECK(bad == 0) << "size " << s << ": " << bad << " elements wrong, first " << first << ": " << wp[1 + first];
+      RCHECK_OK(hcomm_barrier(ctx, T));
+    }
+    release_keys(keys);
+    RCHECK_OK(hcomm_mem_release(w));
+    RCHECK_OK(hcomm_mem_release(l));
+  });
+}
+
 // Accumulates larger than one atomic step (verbs: 1 MiB chunks, each under
 // the owner's lock word) from every rank at once, the owner included, at an
 // offset that no chunk boundary lines up with: every element must see every
@@ -1466,7 +1502,8 @@ TEST_P(Api, SilentPeerIsPeerFailureWithinTheBound) {
 // The other way a silent peer is noticed: an RDMA operation to it runs out of
 // transport retries. With HCOMM_IB_TIMEOUT=t and HCOMM_IB_RETRY=r the queue
 // pair gives up after 4.096 us x 2^t x (r+1); the keepalive is set far longer
-// (HCOMM_KEEPALIVE_MS), so only the queue pair can end the put in time.
+// (HCOMM_KEEPALIVE_MS), and the bound plus slack is below what the default
+// settings give, so only the configured queue pair can end the put in time.
 TEST_P(Api, SilentPeerUnderRdmaIsPeerFailureWithinTheQueuePairBound) {
   const char* silence = std::getenv("HCOMM_TEST_SILENCE_CMD");
   const char* to = std::getenv("HCOMM_IB_TIMEOUT");
@@ -1476,9 +1513,13 @@ TEST_P(Api, SilentPeerUnderRdmaIsPeerFailureWithinTheQueuePairBound) {
       GetParam().ranks != 2)
     GTEST_SKIP() << "needs two machines (spread mode, 2 ranks), HCOMM_TEST_SILENCE_CMD, HCOMM_IB_TIMEOUT, "
                     "HCOMM_IB_RETRY and HCOMM_KEEPALIVE_MS";
-  const double bound_ms = 4.096e-3 * std::ldexp(1.0, std::atoi(to)) * (std::atoi(re) + 1);
-  const double slack_ms = 3000;  // rxe's timer runs in jiffies, and TCG guests are slow
+  auto qp_bound_ms = [](int t, int r) { return 4.096e-3 * std::ldexp(1.0, t) * (r + 1); };
+  const double bound_ms = qp_bound_ms(std::atoi(to), std::atoi(re));
+  const double slack_ms = 300;  // rxe's timer runs in jiffies, and TCG guests are slow
+  // Meaningful only if neither the keepalive nor the default queue pair
+  // settings (timeout 14, retry 7: 537 ms) could end the put in time.
   ASSERT_LT(bound_ms + slack_ms, std::atof(ka)) << "the keepalive would notice first";
+  ASSERT_LT(bound_ms + slack_ms, qp_bound_ms(14, 7)) << "the default settings would pass too";
   const std::string cmd = silence;
   run(
       [&](hcomm_context_t* ctx, int me, int) {
@@ -1511,6 +1552,7 @@ TEST_P(Api, SilentPeerUnderRdmaIsPeerFailureWithinTheQueuePairBound) {
         std::fprintf(stderr, "[rank 0] put %d failed after %lld ms (queue pair bound %.0f ms): %s\n", puts, ms, bound_ms,
                      why.c_str());
         RCHECK_EQ_STATUS(st, HCOMM_ERR_PEER_FAILURE);
+        RCHECK(puts > 1) << "the first put failed: the peer was not silent yet";
         RCHECK(why.find("retry") != std::string::npos) << "not the queue pair's retries: " << why;
         RCHECK(ms < bound_ms + slack_ms) << "noticed only after " << ms << " ms";
         ::_exit(0);  // finalize's barrier would wait for the silent rank

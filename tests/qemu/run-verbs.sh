@@ -16,9 +16,9 @@
 #             ranks (sizes up to 1 MiB: TCG moves a few MB/s between guests),
 #             the four examples, and a silent peer (netem loss 100% on one
 #             guest) noticed as peer failure within the keepalive bound, and
-#             again while a put is in flight, with HCOMM_IB_TIMEOUT=12,
-#             HCOMM_IB_RETRY=2 and a 60 s keepalive: the queue pair's retries
-#             end it within 4.096 us x 2^12 x 3 (+ slack);
+#             again while a put is in flight, with HCOMM_IB_TIMEOUT=13,
+#             HCOMM_IB_RETRY=3 and a 60 s keepalive: the queue pair's retries
+#             end it within 4.096 us x 2^13 x 4 = 134 ms (+ 300 ms);
 #   (loopback and pair also check that rxe neither sent nor received an RNR
 #   NAK: the credits keep every SEND inside a posted receive buffer)
 #   netem     the same pair with 5% loss + reordering on one guest, sizes up to

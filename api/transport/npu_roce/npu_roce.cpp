@@ -520,7 +520,9 @@ Status NpuRoceTransport::import(hcomm_rkey& k, const uint8_t* sec, size_t len) {
   HCOMM_TRY(sync_wait(k.peer, id, Deadline::after_ms(30000), "reading the owner's registration table"));
   Entry e{};
   std::memcpy(&e, reinterpret_cast<uint64_t*>(_scratch.data()) + kEntryWord, sizeof e);
-  HCOMM_TRY(check_reg_entry({k.peer, k.h.slot, k.h.gen, iova, k.h.size, k.h.rights, key}, e));
+  HCOMM_TRY(check_reg_entry({.peer = k.peer, .slot = k.h.slot, .gen = k.h.gen, .addr = iova, .size = k.h.size,
+                             .rights = k.h.rights, .key = key},
+                            e));
   k.roce_key = key;
   k.roce_iova = iova;
   return validate(k);

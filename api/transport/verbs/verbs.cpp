@@ -752,7 +752,9 @@ Status VerbsTransport::import(hcomm_rkey& k, const uint8_t* sec, size_t len) {
                         sizeof(RegTableEntry), "reading the owner's registration table"));
     std::memcpy(&e, &_scratch[kEntryWord], sizeof e);
   }
-  HCOMM_TRY(check_reg_entry({k.peer, k.h.slot, k.h.gen, k.h.addr, k.h.size, k.h.rights, rkey}, e));
+  HCOMM_TRY(check_reg_entry({.peer = k.peer, .slot = k.h.slot, .gen = k.h.gen, .addr = k.h.addr, .size = k.h.size,
+                             .rights = k.h.rights, .key = rkey},
+                            e));
   k.vrkey = rkey;
   return validate(k);
 }
