@@ -644,9 +644,7 @@ int cmd_selftest(const Opts& o, const std::string& name) {
 // ---- rdma ----
 std::string gid_addr(const ibv_gid& g, bool* v4) {
   char buf[INET6_ADDRSTRLEN] = "?";
-  *v4 = true;
-  for (int i = 0; i < 10; ++i) *v4 &= g.raw[i] == 0;
-  *v4 &= g.raw[10] == 0xff && g.raw[11] == 0xff;
+  *v4 = gid_rule::ipv4_mapped(g.raw);
   ::inet_ntop(*v4 ? AF_INET : AF_INET6, *v4 ? g.raw + 12 : g.raw, buf, sizeof buf);
   return buf;
 }

@@ -36,9 +36,7 @@ std::string memlock_hint() {
 
 std::string gid_text(const ibv_gid& g) {
   char buf[INET6_ADDRSTRLEN] = "?";
-  bool v4 = true;
-  for (int i = 0; i < 10; ++i) v4 &= g.raw[i] == 0;
-  v4 &= g.raw[10] == 0xff && g.raw[11] == 0xff;
+  const bool v4 = gid_rule::ipv4_mapped(g.raw);
   if (v4) ::inet_ntop(AF_INET, g.raw + 12, buf, sizeof buf);
   else ::inet_ntop(AF_INET6, g.raw, buf, sizeof buf);
   return v4 ? std::string("::ffff:") + buf : std::string(buf);
@@ -237,7 +235,6 @@ Status VerbsTransport::choose_gid(const VerbsConfig& cfg) {
     return Status::ok();
   }
   std::vector<gid_rule::Entry> rows;
-  std::vector<ibv_gid_entry> entries;
   std::string table;
   for (int i = 0; i < _port_attr.gid_tbl_len; ++i) {
     ibv_gid_entry e{};
@@ -250,7 +247,6 @@ Status VerbsTransport::choose_gid(const VerbsConfig& cfg) {
     std::memcpy(g.raw, e.gid.raw, sizeof g.raw);
     g.roce_v2 = e.gid_type == IBV_GID_TYPE_ROCE_V2;
     rows.push_back(g);
-    entries.push_back(e);
     // (Appended piece by piece: GCC 12's -Wrestrict misfires on a chain of
     // std::string operator+ in release builds.)
     table += ' ';
@@ -263,12 +259,11 @@ Status VerbsTransport::choose_gid(const VerbsConfig& cfg) {
     return Status::error(Code::not_found, "verbs: %s:%u has no %s GID (table:%s)", _dev_name.c_str(), _port,
                          cfg.gid.empty() ? "RoCEv2 IPv4 or global IPv6" : ("HCOMM_IB_GID=" + cfg.gid).c_str(),
                          table.empty() ? " empty" : table.c_str());
-  const ibv_gid_entry& best_e = entries[static_cast<size_t>(pick)];
-  const int best = static_cast<int>(rows[static_cast<size_t>(pick)].index);
-  _gid_index = best;
-  _gid = best_e.gid;
-  _gid_desc = "gid " + std::to_string(best) + " (" +
-              (best_e.gid_type == IBV_GID_TYPE_ROCE_V2 ? "RoCEv2 " : "RoCEv1 ") + gid_text(_gid) + ")";
+  const gid_rule::Entry& best = rows[static_cast<size_t>(pick)];
+  _gid_index = static_cast<int>(best.index);
+  std::memcpy(_gid.raw, best.raw, sizeof _gid.raw);
+  _gid_desc = "gid " + std::to_string(best.index) + " (" + (best.roce_v2 ? "RoCEv2 " : "RoCEv1 ") + gid_text(_gid) +
+              ")";
   return Status::ok();
 }
 
