@@ -444,7 +444,7 @@ class Context final : public AmSink {
     default: return false;
   }
   if (a.roff > k.h.size || a.len > k.h.size - a.roff || (k.h.rights & need) != need) return false;
-  if (k.live_gen->load(std::memory_order_acquire) != k.h.gen) return false;  // revoked
+  if (k.live_gen->load(std::memory_order_seq_cst) != k.h.gen) return false;  // revoked (after the access mark)
   if (k.peer != _rank && !_peers[static_cast<size_t>(k.peer)].alive) return false;
   if (need == HCOMM_ACCESS_REMOTE_ATOMIC) return true;
   if (a.local == nullptr || a.len == 0) return false;

@@ -203,7 +203,10 @@ Status Context::rkey_import(int peer, const void* buf, size_t len, hcomm_rkey** 
         }
         k->sync = k->lane->caps().sync && k->alane->caps().sync;
         auto node = [](const Transport* x) { return x->id() == TransportId::shm || x->id() == TransportId::cma; };
-        if (_shm != nullptr && node(k->lane) && node(k->alane)) k->live_gen = _shm->gen_word(peer, h.slot);
+        if (_shm != nullptr && node(k->lane) && node(k->alane)) {
+          k->live_gen = _shm->gen_word(peer, h.slot);
+          k->mark = _shm->mark_word(peer);
+        }
         if (k->live_gen != nullptr && k->lane == k->alane && k->lane->id() == TransportId::shm) k->direct = k->mapped;
         *out = k.release();
         return Status::ok();
@@ -234,7 +237,7 @@ Status Context::check_key(hcomm_rkey* k, uint64_t off, uint64_t len, unsigned ne
     return Status::error(Code::access_denied, "the key lacks the right (has %#x, needs %#x)", k->h.rights, need);
   if (k->live_gen != nullptr) {
     // shm / cma: the owner's live generation (what their validate() reads).
-    if (k->live_gen->load(std::memory_order_acquire) != k->h.gen)
+    if (k->live_gen->load(std::memory_order_seq_cst) != k->h.gen)  // (after the access mark: see AccessMark)
       return Status::error(Code::access_denied, "the key was revoked by rank %d", k->peer);
   } else {
     HCOMM_TRY(k->lane->validate(*k));

@@ -97,6 +97,7 @@ Status Context::rma_unlocked(RmaArgs& a) {
 Status Context::rma(RmaArgs& a, std::shared_ptr<Request>* out) {
   Transport* lane = nullptr;
   Transport* nlane = nullptr;
+  const AccessMark mark(a.rkey);  // (a key with a mark has synchronous lanes: held to the last byte)
   HCOMM_TRY(rma_check(a, true, &lane, &nlane));
   if (lane->caps().sync) {
     // hcomm_fence: what asynchronous lanes hold from before completes first.

@@ -188,6 +188,10 @@ class Transport {
 
   // Completions and inbound messages.
   virtual void progress() {}
+  // What peers wait on us for that needs no protocol step (verbs: answering
+  // a revocation notice): called by progress and by waits that make none
+  // (barriers, the bootstrap).
+  virtual void acknowledge() {}
   // How long an operation already handed to this transport can go on
   // before the transport itself reports it failed (verbs: the queue pair's
   // ACK timeout times its retries); part of the cancel bound.

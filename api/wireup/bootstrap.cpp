@@ -540,9 +540,14 @@ Status TcpBootstrap::allgather_root(uint32_t seq, const std::string& mine, std::
         pfds.push_back({_peers[static_cast<size_t>(r)].get(), POLLIN, 0});
         who.push_back(r);
       }
-    int n = ::poll(pfds.data(), pfds.size(), rdl.remaining_ms());
+    const int wait_ms = has_idle() ? std::min(rdl.remaining_ms(), kIdleSliceMs) : rdl.remaining_ms();
+    int n = ::poll(pfds.data(), pfds.size(), wait_ms);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return Status::from_errno(errno, "bootstrap poll");
+    if (n == 0 && !rdl.expired()) {
+      idle();
+      continue;
+    }
     if (n == 0) {
       Status st = Status::error(Code::timeout, "collective #%u: rank%s %s did not arrive before the deadline", seq,
                                 who.size() > 1 ? "s" : "", list_ranks(who).c_str());
@@ -585,6 +590,13 @@ Status TcpBootstrap::allgather_root(uint32_t seq, const std::string& mine, std::
 Status TcpBootstrap::allgather_leaf(uint32_t seq, const std::string& mine, std::vector<std::string>* all, const Deadline& dl) {
   const std::string who = "rank 0";
   HCOMM_TRY(write_all(_peers[0].get(), frame(kContrib, seq, mine), dl, who));
+  while (has_idle()) {  // until rank 0 answers (read_frame reports errors and the deadline)
+    pollfd pf{_peers[0].get(), POLLIN, 0};
+    const int n = ::poll(&pf, 1, std::min(dl.remaining_ms(), kIdleSliceMs));
+    if (n < 0 && errno == EINTR) continue;
+    if (n != 0 || dl.expired()) break;
+    idle();
+  }
   Frame f;
   size_t cap = 4 + static_cast<size_t>(size()) * (4 + kMaxBlob);
   Status st = read_frame(_peers[0].get(), dl, cap, who, &f);

@@ -25,6 +25,7 @@
 // Not thread-safe: one thread drives a Bootstrap.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -115,6 +116,9 @@ class Bootstrap {
   Status allgather(const std::string& mine, std::vector<std::string>* all, const Deadline& deadline);
   // Returns once every rank has entered it.
   Status barrier(const Deadline& deadline);
+  // Called every few milliseconds while a collective waits for other ranks
+  // (the context answers what peers wait for: verbs' revocation notices).
+  void on_idle(std::function<void()> f) { _idle = std::move(f); }
 
  protected:
   // What a collective is, for implementations that can check it (the store).
@@ -131,6 +135,13 @@ class Bootstrap {
   virtual void broken(const Status& why) noexcept { (void)why; }
   // The number the next collective will carry.
   uint32_t seq() const noexcept { return _seq; }
+  // Implementations call it between slices of their waits (kIdleSliceMs
+  // long when a hook is set).
+  void idle() {
+    if (_idle) _idle();
+  }
+  bool has_idle() const noexcept { return static_cast<bool>(_idle); }
+  static constexpr int kIdleSliceMs = 2;
 
  private:
   Status run(Collective kind, const std::string& mine, std::vector<std::string>* all, const Deadline& deadline);
@@ -140,6 +151,7 @@ class Bootstrap {
   std::string _job_id;
   uint32_t _seq = 0;  // collectives completed so far; identical on every rank
   Status _failed;     // first failure; once set, every call returns it
+  std::function<void()> _idle;
 };
 
 }  // namespace hcomm::api

@@ -106,6 +106,7 @@ class StoreBootstrap final : public Bootstrap {
       }
       if (ab.code() != Code::timeout) return ab;
       if (dl.expired()) return st;
+      idle();
     }
   }
 

@@ -1353,6 +1353,105 @@ TEST_P(Api, RemoteKeysAreCheckedOnEveryAccess) {
   });
 }
 
+// Releasing memory while the other ranks write to it and read from it,
+// with nothing to separate them: every access either completes (it ran
+// before the release returned) or is refused with HCOMM_ERR_ACCESS, the
+// pair keeps working, and once the release returned no byte of the memory
+// changes. Over verbs an access that passed the key check just before the
+// owner deregistered used to reach the NIC after it: a remote access NAK,
+// the queue pair in error, the peer failed (docs/api.md, "revocation").
+TEST_P(Api, ReleaseRacingAccessesRefusesThemWithoutBreakingThePair) {
+  const bool user_mem = !npu();  // registered user memory (not on the NPU engine): its bytes outlive the release
+  run([user_mem](hcomm_context_t* ctx, int me, int n) {
+    const int right = (me + 1) % n, left = (me + n - 1) % n;
+    constexpr size_t kOp = 256, kDepth = 16, kRegion = kOp * kDepth;
+    constexpr int kRounds = 12;
+    hcomm_mem_t* l = nullptr;
+    RCHECK_OK(hcomm_mem_alloc(ctx, 2 * kRegion, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &l));
+    auto* lp = static_cast<uint8_t*>(hcomm_mem_ptr(l));
+    std::mt19937 rng(static_cast<unsigned>(1234 + me));
+    int completed = 0, refused_later = 0;
+    for (int round = 0; round < kRounds; ++round) {
+      std::vector<uint8_t> keep(kRegion, 0x11);
+      hcomm_mem_t* w = nullptr;
+      if (user_mem) RCHECK_OK(hcomm_mem_register(ctx, keep.data(), kRegion, HCOMM_ACCESS_ALL, &w));
+      else RCHECK_OK(hcomm_mem_alloc(ctx, kRegion, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
+      auto keys = exchange_keys(ctx, w, 900 + static_cast<uint64_t>(round));
+      RCHECK_OK(hcomm_barrier(ctx, T));
+      // Our own release comes after a random number of our accesses, while
+      // they and the left rank's accesses to our memory are in flight.
+      const size_t release_at = rng() % (3 * kDepth);
+      std::vector<uint8_t> after;
+      bool refused = false;
+      std::vector<hcomm_request_t*> reqs;
+      auto drain = [&] {
+        std::vector<hcomm_status_t> st(reqs.size());
+        const hcomm_status_t all = hcomm_wait_all(reqs.data(), reqs.size(), st.data(), T);
+        RCHECK(all == HCOMM_OK || all == HCOMM_ERR_ACCESS) << hcomm_strerror(all) << ": " << hcomm_last_error();
+        for (hcomm_status_t s : st) {
+          RCHECK(s == HCOMM_OK || s == HCOMM_ERR_ACCESS) << "an access racing a release: " << hcomm_strerror(s);
+          if (s == HCOMM_OK) ++completed;
+          else ++refused_later;
+        }
+        reqs.clear();
+      };
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      for (size_t i = 0; w != nullptr || !refused; ++i) {
+        RCHECK(std::chrono::steady_clock::now() < give_up) << "round " << round << ": the right rank's release never "
+                                                           << "refused an access";
+        if (i == release_at) {
+          RCHECK_OK(hcomm_mem_release(w));
+          w = nullptr;
+          if (user_mem) after = keep;
+        }
+        if (refused) continue;
+        if (i % kDepth == 0) drain();  // each slot's previous access is done
+        const size_t slot = i % kDepth;
+        hcomm_request_t* q = nullptr;
+        hcomm_status_t s;
+        if (i % 2 == 0) {
+          std::memset(lp + slot * kOp, static_cast<int>(i + round * 7), kOp);
+          s = hcomm_iput(ctx, lp + slot * kOp, kOp, keys[right], slot * kOp, &q);
+        } else {
+          s = hcomm_iget(ctx, lp + kRegion + slot * kOp, kOp, keys[right], slot * kOp, &q);
+        }
+        if (s == HCOMM_ERR_ACCESS) {
+          refused = true;
+          continue;
+        }
+        RCHECK_OK(s) << "access " << i << " of round " << round;
+        reqs.push_back(q);
+      }
+      drain();
+      RCHECK_OK(hcomm_barrier(ctx, T));  // nobody accesses our memory any more
+      if (user_mem) {
+        RCHECK(keep == after) << "round " << round << ": the memory changed after its release returned";
+      }
+      release_keys(keys);
+      // The pair still moves data both ways.
+      uint64_t out = static_cast<uint64_t>(me * 100 + round), in = 0;
+      RCHECK_OK(hcomm_sendrecv(ctx, right, &out, 8, 950, left, &in, 8, 950, HCOMM_TAG_MASK_ALL, nullptr, T))
+          << "send after round " << round;
+      RCHECK(in == static_cast<uint64_t>(left * 100 + round));
+    }
+    hcomm_mem_t* w2 = nullptr;
+    RCHECK_OK(hcomm_mem_alloc(ctx, 64, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w2));
+    auto k2 = exchange_keys(ctx, w2, 960);
+    std::memset(lp, 0, 8);
+    lp[0] = static_cast<uint8_t>(me + 1);
+    RCHECK_OK(hcomm_put(ctx, lp, 8, k2[right], 0, T)) << "put after the races";
+    RCHECK_OK(hcomm_flush(ctx, -1, T));
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    RCHECK(static_cast<uint8_t*>(hcomm_mem_ptr(w2))[0] == left + 1);
+    RCHECK(completed > 0) << "no access ran before a release";
+    std::printf("rank %d: %d accesses completed, %d refused after they were issued\n", me, completed, refused_later);
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    release_keys(k2);
+    RCHECK_OK(hcomm_mem_release(w2));
+    RCHECK_OK(hcomm_mem_release(l));
+  });
+}
+
 TEST_P(Api, RegisteredUserMemory) {
   // Over vfio-user (the simulator's own devices) the device can only DMA
   // fd-backed memory; through VFIO (HCOMM_TEST_DEVICES naming PCI functions,

@@ -1,8 +1,11 @@
 #include "api/transport/npu_roce/npu_roce.h"
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <random>
+#include <thread>
 
 #include "api/core/context.h"
 #include "api/proto/am_check.h"
@@ -98,7 +101,7 @@ Status NpuRoceTransport::setup(const NpuRoceConfig& cfg, const std::vector<bool>
   HCOMM_TRY(region(n * (kRecvDepth + kSendRing) * kSlot, rdma::access::LOCAL_WRITE, &_am, "message buffers"));
   HCOMM_TRY(region(kMaxRegs * sizeof(Entry), rdma::access::LOCAL_WRITE | rdma::access::REMOTE_READ, &_table,
                    "registration table"));
-  HCOMM_TRY(region(n * kMaxRegs * 4, rdma::access::LOCAL_WRITE | rdma::access::REMOTE_WRITE, &_mailbox,
+  HCOMM_TRY(region(n * (kMaxRegs + 2) * 4, rdma::access::LOCAL_WRITE | rdma::access::REMOTE_WRITE, &_mailbox,
                    "revocation mailboxes"));
   HCOMM_TRY(region(kScratchWords * 8, rdma::access::LOCAL_WRITE, &_scratch, "scratch"));
   for (int i = kFetchSlots - 1; i >= 0; --i) _scratch_free.push_back(i);
@@ -410,6 +413,41 @@ void NpuRoceTransport::progress() {
     RPeer& p = _peers[static_cast<size_t>(r)];
     if (p.up && p.grant_owed >= kRecvDepth / 2) (void)send_credit(r);
   }
+  acknowledge();
+}
+
+size_t NpuRoceTransport::notice_word(int owner) const {
+  return static_cast<size_t>(_size) * kMaxRegs + static_cast<size_t>(owner);
+}
+size_t NpuRoceTransport::ack_word(int peer) const {
+  return static_cast<size_t>(_size) * (kMaxRegs + 1) + static_cast<size_t>(peer);
+}
+
+// A revocation notice answered on our queue pair to its owner, behind what
+// we posted before we saw it, and fenced (as verbs does: see verbs.h,
+// "Keys"): a READ whose response was lost is asked again, and a duplicate
+// READ after the key is gone would be refused, so the answer waits for our
+// READs' responses.
+void NpuRoceTransport::acknowledge() {
+  if (!_lost.is_ok()) return;
+  for (int r = 0; r < _size; ++r) {
+    RPeer& p = _peers[static_cast<size_t>(r)];
+    const uint32_t n = std::atomic_ref<uint32_t>(mailbox()[notice_word(r)]).load(std::memory_order_acquire);
+    if (n == p.notice_acked || !p.up || r == _rank) continue;
+    const int s = take_scratch(Deadline::after_ms(5000));
+    if (s < 0) return;
+    std::atomic_ref<uint64_t>(reinterpret_cast<uint64_t*>(_scratch.data())[s]).store(n, std::memory_order_release);
+    Op op;
+    op.scratch = s;  // held until the WRITE completes
+    if (post(r,
+             rdma::make_wqe(WrOp::WRITE, scratch_iova(s), _scratch.key, 4, p.mailbox_iova + ack_word(_rank) * 4,
+                            p.mailbox_key, 0, rdma::wr_flag::FENCE),
+             std::move(op))) {
+      p.notice_acked = n;
+    } else {
+      _scratch_free.push_back(s);
+    }
+  }
 }
 
 Status NpuRoceTransport::sync_wait(int peer, uint64_t id, const Deadline& dl, const char* what) {
@@ -490,6 +528,39 @@ void NpuRoceTransport::mem_remove(hcomm_mem& m) {
     if (post(r, w, std::move(op))) ids.emplace_back(r, id);
   }
   for (auto [r, id] : ids) (void)sync_wait(r, id, Deadline::after_ms(5000), "revocation write");
+  if (!ids.empty()) {
+    // The mailbox writes are placed: now the notice, then its acknowledgement.
+    const uint32_t n = ++_revocations;
+    reinterpret_cast<uint64_t*>(_scratch.data())[kRevokeWord] = n;
+    std::vector<std::pair<int, uint64_t>> notes;
+    for (auto [r, id] : ids) {
+      RPeer& p = _peers[static_cast<size_t>(r)];
+      if (r == _rank || !p.up) continue;
+      Op op;
+      op.sync = true;
+      const uint64_t nid = wr_id(r, p.posted);
+      if (post(r,
+               rdma::make_wqe(WrOp::WRITE, scratch_iova(kRevokeWord), _scratch.key, 4,
+                              p.mailbox_iova + notice_word(_rank) * 4, p.mailbox_key, 0),
+               std::move(op)))
+        notes.emplace_back(r, nid);
+    }
+    std::vector<int> waiting;
+    for (auto [r, nid] : notes)
+      if (sync_wait(r, nid, Deadline::after_ms(5000), "revocation notice")) waiting.push_back(r);
+    const Clock::time_point start = Clock::now();
+    const Deadline dl(std::max(std::chrono::milliseconds(1000), 2 * stall_bound()));
+    while (!waiting.empty() && !dl.expired() && _lost.is_ok()) {
+      for (int r : waiting) poll(r);
+      acknowledge();  // a peer releasing memory at the same time waits for us
+      std::erase_if(waiting, [&](int r) {
+        const uint32_t a = std::atomic_ref<uint32_t>(this->mailbox()[ack_word(r)]).load(std::memory_order_acquire);
+        return !_peers[static_cast<size_t>(r)].up || static_cast<int32_t>(a - n) >= 0;
+      });
+      if (Clock::now() - start < std::chrono::milliseconds(2)) cpu_relax();
+      else std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
   (void)_dev.mr_invalidate(m.roce_key);
   m.roce_key = 0;
 }
@@ -542,6 +613,10 @@ Status NpuRoceTransport::validate(const hcomm_rkey& k) const {
 Status NpuRoceTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& r) {
   if (!_lost.is_ok()) return _lost;
   const hcomm_rkey& k = *a.rkey;
+  // Checked again right before the post: no acknowledgement of a revocation
+  // goes out between this check and the post.
+  HCOMM_TRY(validate(k));
+  if (a.notify_rkey != nullptr) HCOMM_TRY(validate(*a.notify_rkey));
   const uint64_t raddr = k.roce_iova + a.roff;
   uint64_t laddr = 0;
   uint32_t lkey = 0;

@@ -22,9 +22,12 @@
 // Keys: each rank publishes its registrations in a table peers RDMA READ
 // at import (forged, stale and revoked keys are refused before anything is
 // posted) and holds a revocation mailbox per peer that releasing memory
-// RDMA WRITEs into (waited for) before the engine's key is invalidated: a
-// revoked key is refused by a load here, and the engine never NAKs one
-// (a remote access NAK would put the pair in ERR).
+// RDMA WRITEs into (waited for), then a revocation number every peer WRITEs
+// back on its own queue pair (acknowledge()) before the engine's key is
+// invalidated, as verbs does (api/transport/verbs/verbs.h, "Keys"): a
+// revoked key is refused by a load here, checked again right before each
+// post, and the engine never NAKs one (a remote access NAK would put the
+// pair in ERR).
 #pragma once
 
 #include <deque>
@@ -103,6 +106,7 @@ class NpuRoceTransport final : public Transport {
   uint64_t progress_mark(int peer) override;
   void check_health() override;
   void peer_failed(int peer, const std::string& why) override;
+  void acknowledge() override;
 
   // "10.0.1.1 02:48:43:00:01:00 mtu 4096"
   std::string describe() const;
@@ -135,6 +139,7 @@ class NpuRoceTransport final : public Transport {
     uint64_t table_iova = 0, mailbox_iova = 0;
     uint32_t table_key = 0, mailbox_key = 0;
     uint64_t completions = 0;
+    uint32_t notice_acked = 0;  // the last revocation number of this peer's we acknowledged
   };
   // The registration table's entry (addr: the IOVA), read by peers.
   using Entry = RegTableEntry;
@@ -176,7 +181,11 @@ class NpuRoceTransport final : public Transport {
   std::vector<RPeer> _peers;
   Region _am;       // recv [size][kRecvDepth][kSlot], then send [size][kSendRing][kSlot]
   Region _table;    // Entry x kMaxRegs
-  Region _mailbox;  // [owner rank][slot] = highest revoked generation (u32)
+  Region _mailbox;  // [owner rank][slot] = highest revoked generation (u32), then notice and ack words
+  uint32_t _revocations = 0;  // our latest revocation number
+  uint32_t* mailbox() const { return reinterpret_cast<uint32_t*>(_mailbox.data()); }
+  size_t notice_word(int owner) const;
+  size_t ack_word(int peer) const;
   Region _scratch;  // fetch results, notify values, import reads, the revoked generation
   std::vector<int> _scratch_free;
   std::map<uint64_t, Op> _ops;            // by wr_id

@@ -1,12 +1,14 @@
 #include "api/transport/shm/shm.h"
 
 #include <poll.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <thread>
 
 #include "api/core/context.h"
 #include "api/proto/am_check.h"
@@ -137,7 +139,26 @@ void ShmTransport::publish(hcomm_mem& m, uint32_t fabric_index) {
 }
 
 void ShmTransport::revoke(const hcomm_mem& m) {
-  _ctrl->regs[m.slot].gen.store(m.gen + 1, std::memory_order_release);
+  _ctrl->regs[m.slot].gen.store(m.gen + 1, std::memory_order_seq_cst);
+  // Wait out the accesses between their check and their last byte (see
+  // MarkLine): ours, from other threads, and every peer's on this host. A
+  // peer that died mid-access is not waited for; one that stays marked past
+  // the bound (a copy of gigabytes) is reported and not waited for longer.
+  const uint32_t line = static_cast<uint32_t>(_rank) % kMarkLines;
+  for (int r = 0; r < _ctx.size(); ++r) {
+    const CtrlSegment* s = seg(r);
+    if (s == nullptr || (r != _rank && !_ctx.peer(r).alive)) continue;
+    const std::atomic<uint32_t>& n = s->marks[line].n;
+    if (n.load(std::memory_order_seq_cst) == 0) continue;
+    const Deadline dl = Deadline::after_ms(5000);
+    for (uint32_t round = 1; n.load(std::memory_order_seq_cst) != 0; ++round) {
+      if ((round & 1023) == 0) {
+        if (dl.expired() || (r != _rank && ::kill(pid(r), 0) != 0 && errno == ESRCH)) break;
+        std::this_thread::yield();
+      }
+      cpu_relax();
+    }
+  }
 }
 
 Status ShmTransport::check_entry(int peer, const RkeyHeader& h) const {

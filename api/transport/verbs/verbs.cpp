@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 #include <random>
+#include <thread>
 
 #include "api/core/context.h"
 #include "api/proto/am_check.h"
@@ -54,13 +55,15 @@ Code code_of(ibv_wc_status s) {
 }
 
 // Scratch words: 0..kFetchSlots-1 fetch results; then the import read of a
-// table entry (4 words), the revoked generation being written, the result of
-// a synchronous atomic, a notify value.
+// table entry (4 words), the revoked generation or revocation number being
+// written, the result of a synchronous atomic, a notify value, an
+// acknowledgement (where the NIC cannot send it inline).
 constexpr int kFetchSlots = 1008;
 constexpr int kEntryWord = 1008;
 constexpr int kRevokeWord = 1012;
 constexpr int kAtomicWord = 1013;
 constexpr int kNotifyWord = 1014;
+constexpr int kAckWord = 1015;
 constexpr int kScratchWords = 1016;
 
 }  // namespace
@@ -175,7 +178,7 @@ Status VerbsTransport::setup(const VerbsConfig& cfg) {
   HCOMM_TRY(reg(_locks.data(), _locks.size() * 8,
                 IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_REMOTE_READ, &_locks_mr,
                 "accumulate locks"));
-  _mailbox.assign(static_cast<size_t>(_size) * kMaxRegs, 0);
+  _mailbox.assign(static_cast<size_t>(_size) * (kMaxRegs + 2), 0);
   HCOMM_TRY(reg(_mailbox.data(), _mailbox.size() * 4, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, &_mailbox_mr,
                 "revocation mailboxes"));
   _scratch.assign(kScratchWords, 0);
@@ -497,6 +500,10 @@ void VerbsTransport::complete_op(uint64_t id, const ibv_wc& wc) {
       // is gone (see "refused keys" in verbs.h: the NIC never sees one).
       _sink.on_peer_failed(peer, std::string("verbs queue pair failed: ") + ::ibv_wc_status_str(wc.status));
     }
+  } else if (op.notify_addr != 0 && r != nullptr && !r->done() && revoked(peer, op.notify_slot, op.notify_gen)) {
+    // The word's memory was released while the data was in flight.
+    r->complete(HCOMM_ERR_ACCESS, "put_notify: the notify word's key was revoked by rank " + std::to_string(peer) +
+                                      " before the data completed");
   } else if (op.notify_addr != 0 && r != nullptr && !r->done()) {
     // The data is acknowledged, so placed at the target: now the word.
     uint64_t v = op.notify_value;
@@ -612,6 +619,54 @@ void VerbsTransport::progress() {
     VPeer& p = _peers[static_cast<size_t>(r)];
     if (p.up && p.grant_owed >= kRecvDepth / 2) (void)send_credit(r);
   }
+  acknowledge();
+}
+
+void VerbsTransport::acknowledge() {
+  for (int r = 0; r < _size; ++r) {
+    VPeer& p = _peers[static_cast<size_t>(r)];
+    const uint32_t n = std::atomic_ref<uint32_t>(_mailbox[notice_word(r)]).load(std::memory_order_acquire);
+    if (n == p.notice_acked || !p.up || r == _rank) continue;
+    // Behind everything we posted to r before we saw the notice; everything
+    // after it checks the mailbox, which the notice's owner wrote first.
+    ibv_sge sge{reinterpret_cast<uint64_t>(&n), 4, 0};
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_RDMA_WRITE;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.wr.rdma.remote_addr = p.mailbox_addr + ack_word(_rank) * 4;
+    wr.wr.rdma.rkey = p.mailbox_rkey;
+    // Fenced: it leaves once our earlier READs and atomics have their
+    // responses. One whose response is lost is asked again, and a duplicate
+    // READ that finds the memory deregistered draws a remote access NAK.
+    wr.send_flags = IBV_SEND_FENCE;
+    if (_max_inline >= 4) {
+      wr.send_flags |= IBV_SEND_INLINE;
+      if (post(r, wr, Op{}, p.unsignaled + 1 >= kSignalEvery)) p.notice_acked = n;
+    } else {  // the source must outlive the post: wait for it
+      _scratch[kAckWord] = n;
+      sge.addr = reinterpret_cast<uint64_t>(&_scratch[kAckWord]);
+      sge.lkey = _scratch_mr->lkey;
+      Op op;
+      op.sync = true;
+      const uint64_t id = wr_id(r, p.sq_posted);
+      if (post(r, wr, std::move(op), true) && sync_wait(id, Deadline::after_ms(5000), "revocation acknowledgement"))
+        p.notice_acked = n;
+    }
+  }
+}
+
+size_t VerbsTransport::notice_word(int owner) const {
+  return static_cast<size_t>(_size) * kMaxRegs + static_cast<size_t>(owner);
+}
+size_t VerbsTransport::ack_word(int peer) const {
+  return static_cast<size_t>(_size) * (kMaxRegs + 1) + static_cast<size_t>(peer);
+}
+
+bool VerbsTransport::revoked(int peer, uint32_t slot, uint32_t gen) const {
+  const uint32_t r = std::atomic_ref<const uint32_t>(_mailbox[static_cast<size_t>(peer) * kMaxRegs + slot])
+                         .load(std::memory_order_acquire);
+  return r != 0 && r >= gen;
 }
 
 Status VerbsTransport::sync_wait(uint64_t id, const Deadline& dl, const char* what) {
@@ -719,8 +774,49 @@ void VerbsTransport::mem_remove(hcomm_mem& m) {
     if (!post(r, wr, std::move(op), true)) ids.pop_back();
   }
   for (uint64_t id : ids) (void)sync_wait(id, Deadline::after_ms(5000), "revocation write");
+  if (!ids.empty()) await_acks();
   ::ibv_dereg_mr(static_cast<ibv_mr*>(m.verbs_mr));
   m.verbs_mr = nullptr;
+}
+
+void VerbsTransport::await_acks() {
+  // The mailbox writes are placed: now the notice, then its acknowledgement.
+  const uint32_t n = ++_revocations;
+  _scratch[kRevokeWord] = n;
+  std::vector<uint64_t> ids;
+  std::vector<int> waiting;
+  for (int r = 0; r < _size; ++r) {
+    VPeer& p = _peers[static_cast<size_t>(r)];
+    if (r == _rank || !p.up) continue;
+    ibv_sge sge{reinterpret_cast<uint64_t>(&_scratch[kRevokeWord]), 4, _scratch_mr->lkey};
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_RDMA_WRITE;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.wr.rdma.remote_addr = p.mailbox_addr + notice_word(_rank) * 4;
+    wr.wr.rdma.rkey = p.mailbox_rkey;
+    Op op;
+    op.sync = true;
+    const uint64_t id = wr_id(r, p.sq_posted);
+    if (!post(r, wr, std::move(op), true)) continue;
+    ids.push_back(id);
+    waiting.push_back(r);
+  }
+  for (uint64_t id : ids) (void)sync_wait(id, Deadline::after_ms(5000), "revocation notice");
+  // Spin 2 ms (a peer inside hcomm answers within a round trip), then nap:
+  // on a software NIC the peer's answer needs these CPUs.
+  const Clock::time_point start = Clock::now();
+  const Deadline dl(revoke_wait());
+  while (!waiting.empty() && !dl.expired()) {
+    poll_send();
+    acknowledge();  // a peer releasing memory at the same time waits for us
+    std::erase_if(waiting, [&](int r) {
+      const uint32_t a = std::atomic_ref<uint32_t>(_mailbox[ack_word(r)]).load(std::memory_order_acquire);
+      return !_peers[static_cast<size_t>(r)].up || static_cast<int32_t>(a - n) >= 0;
+    });
+    if (Clock::now() - start < std::chrono::milliseconds(2)) cpu_relax();
+    else std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
 }
 
 bool VerbsTransport::pack(const hcomm_mem& m, uint8_t* sec, size_t* len) const {
@@ -755,10 +851,7 @@ Status VerbsTransport::import(hcomm_rkey& k, const uint8_t* sec, size_t len) {
 }
 
 Status VerbsTransport::validate(const hcomm_rkey& k) const {
-  const uint32_t revoked = std::atomic_ref<const uint32_t>(
-                               _mailbox[static_cast<size_t>(k.peer) * kMaxRegs + k.h.slot])
-                               .load(std::memory_order_acquire);
-  if (revoked != 0 && revoked >= k.h.gen)
+  if (revoked(k.peer, k.h.slot, k.h.gen))
     return Status::error(Code::access_denied, "the key was revoked by rank %d", k.peer);
   return Status::ok();
 }
@@ -780,6 +873,10 @@ Status VerbsTransport::lkey_of(const void* p, size_t len, uint32_t* lkey, ibv_mr
 Status VerbsTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& r) {
   hcomm_rkey& k = *a.rkey;
   const uint64_t raddr = k.h.addr + a.roff;
+  // Checked again here, right before the post: no acknowledgement of a
+  // revocation goes out between this check and the post (see verbs.h).
+  HCOMM_TRY(validate(k));
+  if (a.notify_rkey != nullptr) HCOMM_TRY(validate(*a.notify_rkey));
   switch (a.op) {
     case Rma::put:
     case Rma::get: {
@@ -795,6 +892,8 @@ Status VerbsTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& r) {
           op.notify_addr = a.notify_rkey->h.addr + a.notify_off;
           op.notify_rkey = a.notify_rkey->vrkey;
           op.notify_value = a.notify_value;
+          op.notify_slot = a.notify_rkey->h.slot;
+          op.notify_gen = a.notify_rkey->h.gen;
         }
       }
       return Status::ok();
@@ -868,9 +967,13 @@ Status VerbsTransport::accumulate(const RmaOp& a) {
         return Status::error(Code::timeout, "accumulate lock of rank %d held by rank %lu until the deadline", k.peer,
                              static_cast<unsigned long>(old - 1));
       poll_recv();  // keep our own inbound traffic moving while we wait
+      acknowledge();
     }
+    // Checked again under the lock: the wait may have acknowledged a
+    // revocation of this memory.
+    Status st = validate(k);
     const uint64_t raddr = k.h.addr + a.roff + off;
-    Status st = sync_rdma(k.peer, IBV_WR_RDMA_READ, _bounce.data(), _bounce_mr->lkey, raddr, k.vrkey, n,
+    if (st) st = sync_rdma(k.peer, IBV_WR_RDMA_READ, _bounce.data(), _bounce_mr->lkey, raddr, k.vrkey, n,
                           "accumulate read");
     if (st) {
       abi::reduce(dt, static_cast<abi::RedOp>(a.redop), _bounce.data(), a.local + off, n / es);

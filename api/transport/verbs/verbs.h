@@ -30,14 +30,28 @@
 // Keys: each rank publishes its registrations in a table peers can RDMA READ
 // (import checks the key against it: forged, stale and revoked keys are
 // refused before anything is posted) and holds a revocation mailbox per
-// peer: releasing memory RDMA WRITEs the revoked generation into every
-// peer's mailbox and waits for those writes to complete before the memory
-// is deregistered, so a revoked key is refused locally, by a load, and the
-// NIC never sees it (a remote access NAK would break the pair).
+// peer, so a revoked key is refused locally, by a load, and the NIC never
+// sees it (a remote access NAK would break the pair). Releasing memory:
+//  1. RDMA WRITE the revoked generation into every peer's mailbox; wait for
+//     those writes to complete (placed at the peers);
+//  2. RDMA WRITE a revocation number (per owner, increasing) into every
+//     peer's notice word;
+//  3. wait for every peer to RDMA WRITE that number back into our ack word.
+//     A peer writes it (acknowledge(): from progress, barriers and other
+//     waits) on its own queue pair to us, behind everything it posted before
+//     it saw the notice, and it checks the mailbox again right before each
+//     post (rma(), each accumulate chunk, the notify word of put_notify):
+//     so when the ack lands, every access that passed the check before the
+//     revocation has run at our NIC, and none after it will be posted;
+//  4. deregister. A peer that does not acknowledge within revoke_wait() (it
+//     makes no hcomm call) is not waited for longer: what it posted before
+//     has had the queue pair's retry bound to run.
 #pragma once
 
 #include <infiniband/verbs.h>
 
+#include <algorithm>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <string>
@@ -109,6 +123,8 @@ class VerbsTransport final : public Transport {
     return std::chrono::milliseconds(static_cast<int64_t>(ms) + 1);
   }
   void peer_failed(int peer, const std::string& why) override;
+  // Answers revocation notices (see "Keys" above).
+  void acknowledge() override;
 
   const std::string& device_name() const { return _dev_name; }
   // Soft-RoCE / soft-iWARP: the "NIC" is kernel code running on our CPUs.
@@ -123,6 +139,7 @@ class VerbsTransport final : public Transport {
     // put_notify: posted once the data WRITE completed
     uint64_t notify_addr = 0, notify_value = 0;
     uint32_t notify_rkey = 0;
+    uint32_t notify_slot = 0, notify_gen = 0;  // its key, checked again right before the word is posted
     uint64_t* result = nullptr;   // fetch atomics: copy the scratch slot here
     int scratch = -1;
     bool sync = false;            // a synchronous wait owns it (sync_done)
@@ -147,6 +164,7 @@ class VerbsTransport final : public Transport {
     uint32_t async_ops = 0;       // live ops no synchronous wait owns (what flush waits for)
     uint64_t am_posted = 0, am_slot_seq[kSendRing] = {};  // AM ring: seq of the WR using each slot
     uint32_t unsignaled = 0;
+    uint32_t notice_acked = 0;    // the last revocation number of this peer's we acknowledged
     // the peer's table, locks and our mailbox there
     uint64_t table_addr = 0, locks_addr = 0, mailbox_addr = 0;
     uint32_t table_rkey = 0, locks_rkey = 0, mailbox_rkey = 0;
@@ -170,6 +188,20 @@ class VerbsTransport final : public Transport {
   Status sync_atomic(int peer, ibv_wr_opcode opc, uint64_t raddr, uint32_t rkey, uint64_t compare_add, uint64_t swap,
                      uint64_t* old);
   Status accumulate(const RmaOp& a);
+  // Whether `peer` revoked generation `gen` of its registration `slot` (our
+  // mailbox says so).
+  bool revoked(int peer, uint32_t slot, uint32_t gen) const;
+  // Mailbox words after the [owner][slot] generations: [owner] = the owner's
+  // latest revocation number (its notice), then [peer] = the latest of ours
+  // that peer acknowledged.
+  size_t notice_word(int owner) const;
+  size_t ack_word(int peer) const;
+  // Steps 2 and 3 of a release: the notices, then the acknowledgements.
+  void await_acks();
+  // How long a release waits for a peer's acknowledgement.
+  std::chrono::milliseconds revoke_wait() const {
+    return std::max(std::chrono::milliseconds(1000), 2 * stall_bound());
+  }
   // known: the registration holding [p, p+len) when the caller found it already.
   Status lkey_of(const void* p, size_t len, uint32_t* lkey, ibv_mr** own, const hcomm_mem* known = nullptr);
   uint64_t wr_id(int peer, uint64_t seq) const { return (uint64_t(uint32_t(peer)) << 40) | (seq & ((1ull << 40) - 1)); }
@@ -204,8 +236,10 @@ class VerbsTransport final : public Transport {
   std::vector<uint64_t> _locks;
   ibv_mr* _table_mr = nullptr;
   ibv_mr* _locks_mr = nullptr;
-  // revocation mailboxes: [owner rank][slot] = highest revoked generation
+  // revocation mailboxes: [owner rank][slot] = highest revoked generation,
+  // then the notice and ack words (notice_word, ack_word)
   std::vector<uint32_t> _mailbox;
+  uint32_t _revocations = 0;  // our latest revocation number
   ibv_mr* _mailbox_mr = nullptr;
   // scratch: fetch results, import reads, accumulate bounce
   std::vector<uint64_t> _scratch;
