@@ -45,6 +45,17 @@ std::string gid_text(const ibv_gid& g) {
 
 int mtu_bytes(ibv_mtu m) { return 128 << static_cast<int>(m); }
 
+// An RDMA WRITE of one piece.
+ibv_send_wr write_wr(ibv_sge& sge, uint64_t raddr, uint32_t rkey) {
+  ibv_send_wr wr{};
+  wr.opcode = IBV_WR_RDMA_WRITE;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.wr.rdma.remote_addr = raddr;
+  wr.wr.rdma.rkey = rkey;
+  return wr;
+}
+
 Code code_of(ibv_wc_status s) {
   switch (s) {
     case IBV_WC_SUCCESS: return Code::ok;
@@ -508,12 +519,7 @@ void VerbsTransport::complete_op(uint64_t id, const ibv_wc& wc) {
     // The data is acknowledged, so placed at the target: now the word.
     uint64_t v = op.notify_value;
     ibv_sge sge{reinterpret_cast<uint64_t>(&v), 8, 0};
-    ibv_send_wr wr{};
-    wr.opcode = IBV_WR_RDMA_WRITE;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    wr.wr.rdma.remote_addr = op.notify_addr;
-    wr.wr.rdma.rkey = op.notify_rkey;
+    ibv_send_wr wr = write_wr(sge, op.notify_addr, op.notify_rkey);
     Op nop;
     nop.r = op.r;
     if (_max_inline >= 8) {
@@ -630,12 +636,7 @@ void VerbsTransport::acknowledge() {
     // Behind everything we posted to r before we saw the notice; everything
     // after it checks the mailbox, which the notice's owner wrote first.
     ibv_sge sge{reinterpret_cast<uint64_t>(&n), 4, 0};
-    ibv_send_wr wr{};
-    wr.opcode = IBV_WR_RDMA_WRITE;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    wr.wr.rdma.remote_addr = p.mailbox_addr + ack_word(_rank) * 4;
-    wr.wr.rdma.rkey = p.mailbox_rkey;
+    ibv_send_wr wr = write_wr(sge, p.mailbox_addr + ack_word(_rank) * 4, p.mailbox_rkey);
     // Fenced: it leaves once our earlier READs and atomics have their
     // responses. One whose response is lost is asked again, and a duplicate
     // READ that finds the memory deregistered draws a remote access NAK.
@@ -754,55 +755,38 @@ void VerbsTransport::mem_remove(hcomm_mem& m) {
   std::atomic_ref<uint32_t>(_mailbox[static_cast<size_t>(_rank) * kMaxRegs + m.slot])
       .store(m.gen, std::memory_order_release);
   (void)flush(-1, Deadline::after_ms(30000));  // our own operations using it as a local buffer
-  _scratch[kRevokeWord] = m.gen;
-  std::vector<uint64_t> ids;
-  for (int r = 0; r < _size; ++r) {
-    VPeer& p = _peers[static_cast<size_t>(r)];
-    // Tearing the context down: peers may have destroyed their queue pairs
-    // already (after finalize's barrier); their keys die with ours.
-    if (r == _rank || !p.up || _ctx.closing()) continue;
-    ibv_sge sge{reinterpret_cast<uint64_t>(&_scratch[kRevokeWord]), 4, _scratch_mr->lkey};
-    ibv_send_wr wr{};
-    wr.opcode = IBV_WR_RDMA_WRITE;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    wr.wr.rdma.remote_addr = p.mailbox_addr + (static_cast<uint64_t>(_rank) * kMaxRegs + m.slot) * 4;
-    wr.wr.rdma.rkey = p.mailbox_rkey;
-    Op op;
-    op.sync = true;
-    ids.push_back(wr_id(r, p.sq_posted));
-    if (!post(r, wr, std::move(op), true)) ids.pop_back();
-  }
-  for (uint64_t id : ids) (void)sync_wait(id, Deadline::after_ms(5000), "revocation write");
-  if (!ids.empty()) await_acks();
+  // Tearing the context down: peers may have destroyed their queue pairs
+  // already (after finalize's barrier); their keys die with ours.
+  if (!_ctx.closing() &&
+      !write_peers(m.gen, static_cast<size_t>(_rank) * kMaxRegs + m.slot, "revocation write").empty())
+    await_acks();
   ::ibv_dereg_mr(static_cast<ibv_mr*>(m.verbs_mr));
   m.verbs_mr = nullptr;
+}
+
+std::vector<int> VerbsTransport::write_peers(uint32_t value, size_t word, const char* what) {
+  _scratch[kRevokeWord] = value;
+  std::vector<std::pair<int, uint64_t>> posted;
+  for (int r = 0; r < _size; ++r) {
+    VPeer& p = _peers[static_cast<size_t>(r)];
+    if (r == _rank || !p.up) continue;
+    ibv_sge sge{reinterpret_cast<uint64_t>(&_scratch[kRevokeWord]), 4, _scratch_mr->lkey};
+    ibv_send_wr wr = write_wr(sge, p.mailbox_addr + word * 4, p.mailbox_rkey);
+    Op op;
+    op.sync = true;
+    const uint64_t id = wr_id(r, p.sq_posted);
+    if (post(r, wr, std::move(op), true)) posted.emplace_back(r, id);
+  }
+  std::vector<int> done;
+  for (auto [r, id] : posted)
+    if (sync_wait(id, Deadline::after_ms(5000), what)) done.push_back(r);
+  return done;
 }
 
 void VerbsTransport::await_acks() {
   // The mailbox writes are placed: now the notice, then its acknowledgement.
   const uint32_t n = ++_revocations;
-  _scratch[kRevokeWord] = n;
-  std::vector<uint64_t> ids;
-  std::vector<int> waiting;
-  for (int r = 0; r < _size; ++r) {
-    VPeer& p = _peers[static_cast<size_t>(r)];
-    if (r == _rank || !p.up) continue;
-    ibv_sge sge{reinterpret_cast<uint64_t>(&_scratch[kRevokeWord]), 4, _scratch_mr->lkey};
-    ibv_send_wr wr{};
-    wr.opcode = IBV_WR_RDMA_WRITE;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    wr.wr.rdma.remote_addr = p.mailbox_addr + notice_word(_rank) * 4;
-    wr.wr.rdma.rkey = p.mailbox_rkey;
-    Op op;
-    op.sync = true;
-    const uint64_t id = wr_id(r, p.sq_posted);
-    if (!post(r, wr, std::move(op), true)) continue;
-    ids.push_back(id);
-    waiting.push_back(r);
-  }
-  for (uint64_t id : ids) (void)sync_wait(id, Deadline::after_ms(5000), "revocation notice");
+  std::vector<int> waiting = write_peers(n, notice_word(_rank), "revocation notice");
   // Spin 2 ms (a peer inside hcomm answers within a round trip), then nap:
   // on a software NIC the peer's answer needs these CPUs.
   const Clock::time_point start = Clock::now();

@@ -198,6 +198,9 @@ class VerbsTransport final : public Transport {
   size_t ack_word(int peer) const;
   // Steps 2 and 3 of a release: the notices, then the acknowledgements.
   void await_acks();
+  // WRITEs `value` into word `word` of every live peer's mailbox and waits
+  // for those writes: the peers whose write completed.
+  std::vector<int> write_peers(uint32_t value, size_t word, const char* what);
   // How long a release waits for a peer's acknowledgement.
   std::chrono::milliseconds revoke_wait() const {
     return std::max(std::chrono::milliseconds(1000), 2 * stall_bound());
