@@ -180,11 +180,15 @@ Context::RmaArgs atomic_args(hcomm::api::Rma op, hcomm_rkey_t* rkey, uint64_t of
 // whose lanes are shm the CPU does the operation right here (no virtual
 // call, no Status).
 [[gnu::always_inline]] inline hcomm_status_t rma_unlocked(Context& ctx, Context::RmaArgs& a) {
-  const hcomm::api::AccessMark mark(a.rkey);  // before the key check, until the last byte
-  if (ctx.rma_fast_checks(a)) {
-    if (uint8_t* t = a.rkey->direct; t != nullptr && hcomm::api::cpu_rma(t + a.roff, a)) return HCOMM_OK;
-    const bool atomic = a.op == hcomm::api::Rma::fetch_add || a.op == hcomm::api::Rma::cswap;
-    return ret((atomic ? a.rkey->alane : a.rkey->lane)->rma(a, nullptr));
+  {
+    // From before the generation check to the last byte (AccessMark); the
+    // fast checks take no lock.
+    const hcomm::api::AccessMark mark(a.rkey);
+    if (ctx.rma_fast_checks(a)) {
+      if (uint8_t* t = a.rkey->direct; t != nullptr && hcomm::api::cpu_rma(t + a.roff, a)) return HCOMM_OK;
+      const bool atomic = a.op == hcomm::api::Rma::fetch_add || a.op == hcomm::api::Rma::cswap;
+      return ret((atomic ? a.rkey->alane : a.rkey->lane)->rma(a, nullptr));
+    }
   }
   return ret(ctx.rma_unlocked(a));  // checks again, words the error; fills the lookup cache
 }

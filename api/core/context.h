@@ -227,6 +227,7 @@ class Context final : public AmSink {
   // the caller's key, atomics (peer liveness, the registration epoch) and a
   // per-thread cache; anything else takes the locked path.
   Status rma_unlocked(RmaArgs& a);
+  Status rma_run_marked(const RmaArgs& a, Transport* lane, Transport* nlane);
   // The fast path's own checks, inline and with no message built: true when
   // a (put, get or a fetch atomic on a key whose lanes validate against the
   // node registry; no notify, no pending fence, the local buffer in this
@@ -282,6 +283,11 @@ class Context final : public AmSink {
   // used by transports that wait for a peer's wire-up data.
   Status pump_control(Peer& p, const Deadline& dl);
 
+  // Every transport's acknowledge() (revocation notices): release waits call
+  // it so that two ranks releasing at once answer each other.
+  void acknowledge_all() {
+    for (auto& t : _transports) t->acknowledge();
+  }
  private:
   Context() = default;
   Status init(const hcomm_config_t& cfg);
@@ -294,6 +300,9 @@ class Context final : public AmSink {
   void check_peers(bool force);
   void peer_failed(Peer& p, const std::string& why);
   Status check_key(hcomm_rkey* k, uint64_t off, uint64_t len, unsigned need) const;
+  // The owner's current generation (or the lanes' own validity checks):
+  // check_key's last step, again under an access mark.
+  Status check_live(const hcomm_rkey& k) const;
   // Argument and key checks of a one-sided call; fills op and the lanes.
   Status rma_check(RmaArgs& a, bool locked, Transport** lane, Transport** nlane);
   // Runs a checked call on synchronous lanes: the data, then the word.

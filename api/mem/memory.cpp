@@ -203,10 +203,10 @@ Status Context::rkey_import(int peer, const void* buf, size_t len, hcomm_rkey** 
         }
         k->sync = k->lane->caps().sync && k->alane->caps().sync;
         auto node = [](const Transport* x) { return x->id() == TransportId::shm || x->id() == TransportId::cma; };
-        if (_shm != nullptr && node(k->lane) && node(k->alane)) {
-          k->live_gen = _shm->gen_word(peer, h.slot);
-          k->mark = _shm->mark_word(peer);
-        }
+        if (_shm != nullptr && node(k->lane) && node(k->alane)) k->live_gen = _shm->gen_word(peer, h.slot);
+        // Bytes the CPU moves on this host (the data lane is shm or cma, even
+        // when the atomicity agent is the NIC) hold the access mark.
+        if (_shm != nullptr && node(k->lane)) k->mark = _shm->mark_word(peer);
         if (k->live_gen != nullptr && k->lane == k->alane && k->lane->id() == TransportId::shm) k->direct = k->mapped;
         *out = k.release();
         return Status::ok();
@@ -235,16 +235,21 @@ Status Context::check_key(hcomm_rkey* k, uint64_t off, uint64_t len, unsigned ne
                          static_cast<unsigned long>(k->h.size));
   if ((k->h.rights & need) != need)
     return Status::error(Code::access_denied, "the key lacks the right (has %#x, needs %#x)", k->h.rights, need);
-  if (k->live_gen != nullptr) {
-    // shm / cma: the owner's live generation (what their validate() reads).
-    if (k->live_gen->load(std::memory_order_seq_cst) != k->h.gen)  // (after the access mark: see AccessMark)
-      return Status::error(Code::access_denied, "the key was revoked by rank %d", k->peer);
-  } else {
-    HCOMM_TRY(k->lane->validate(*k));
-    if (k->alane != k->lane) HCOMM_TRY(k->alane->validate(*k));
-  }
+  HCOMM_TRY(check_live(*k));
   const Peer& p = _peers[static_cast<size_t>(k->peer)];
   if (k->peer != _rank && !p.alive) return Status(Code::peer_failure, p.why_dead);
+  return Status::ok();
+}
+
+Status Context::check_live(const hcomm_rkey& k) const {
+  if (k.live_gen != nullptr) {
+    // shm / cma: the owner's live generation (what their validate() reads).
+    if (k.live_gen->load(std::memory_order_seq_cst) != k.h.gen)  // (after the access mark: see AccessMark)
+      return Status::error(Code::access_denied, "the key was revoked by rank %d", k.peer);
+    return Status::ok();
+  }
+  HCOMM_TRY(k.lane->validate(k));
+  if (k.alane != k.lane) HCOMM_TRY(k.alane->validate(k));
   return Status::ok();
 }
 

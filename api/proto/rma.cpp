@@ -87,23 +87,33 @@ Status Context::rma_run_sync(const RmaArgs& a, Transport* lane, Transport* nlane
   return st;
 }
 
+// A synchronous lane's copy, under the access mark from a second look at
+// the owner's generation to the last byte (AccessMark): what came before it
+// (a lookup that took the lock, a fence's wait) may have let a release
+// through.
+Status Context::rma_run_marked(const RmaArgs& a, Transport* lane, Transport* nlane) {
+  const AccessMark mark(a.rkey);
+  HCOMM_TRY(check_live(*a.rkey));
+  if (a.notify_rkey != nullptr) HCOMM_TRY(check_live(*a.notify_rkey));
+  return rma_run_sync(a, lane, nlane);
+}
+
 Status Context::rma_unlocked(RmaArgs& a) {
   Transport* lane = nullptr;
   Transport* nlane = nullptr;
   HCOMM_TRY(rma_check(a, false, &lane, &nlane));
-  return rma_run_sync(a, lane, nlane);
+  return rma_run_marked(a, lane, nlane);
 }
 
 Status Context::rma(RmaArgs& a, std::shared_ptr<Request>* out) {
   Transport* lane = nullptr;
   Transport* nlane = nullptr;
-  const AccessMark mark(a.rkey);  // (a key with a mark has synchronous lanes: held to the last byte)
   HCOMM_TRY(rma_check(a, true, &lane, &nlane));
   if (lane->caps().sync) {
     // hcomm_fence: what asynchronous lanes hold from before completes first.
     if (_fence_next.exchange(false, std::memory_order_acq_rel)) HCOMM_TRY(complete_all(Deadline::after_ms(30000)));
     if (out != nullptr) out->reset();  // complete on return: no request
-    return rma_run_sync(a, lane, nlane);
+    return rma_run_marked(a, lane, nlane);
   }
   auto r = new_request();
   r->kind = Request::Kind::rma;

@@ -1445,6 +1445,12 @@ TEST_P(Api, ReleaseRacingAccessesRefusesThemWithoutBreakingThePair) {
     RCHECK(static_cast<uint8_t*>(hcomm_mem_ptr(w2))[0] == left + 1);
     RCHECK(completed > 0) << "no access ran before a release";
     std::printf("rank %d: %d accesses completed, %d refused after they were issued\n", me, completed, refused_later);
+    // Over RDMA a request refused after it was posted is the remote access
+    // NAK itself (the key check before the post refuses everything else).
+    const std::string via = hcomm_peer_transport(ctx, right);
+    if (via.find("verbs") != std::string::npos || via.find("npu_roce") != std::string::npos) {
+      RCHECK(refused_later == 0) << refused_later << " accesses over " << via << " drew a remote access error";
+    }
     RCHECK_OK(hcomm_barrier(ctx, T));
     release_keys(k2);
     RCHECK_OK(hcomm_mem_release(w2));

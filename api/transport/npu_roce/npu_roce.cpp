@@ -34,11 +34,12 @@ Code code_of(rdma::WcStatus s) {
 std::string wc_text(uint8_t s) { return rdma::wc_status_name(static_cast<rdma::WcStatus>(s)); }
 
 // Scratch words: 0..kFetchSlots-1 fetch results and notify values (one per
-// operation in flight); then the import read of a table entry (4 words) and
-// the revoked generation being written.
+// operation in flight); then the import read of a table entry (4 words),
+// the revoked generation being written and the revocation number.
 constexpr int kFetchSlots = 1008;
 constexpr int kEntryWord = 1008;
 constexpr int kRevokeWord = 1012;
+constexpr int kNoticeWord = 1013;
 constexpr int kScratchWords = 1016;
 
 // Receive work requests carry this bit in their wr_id.
@@ -527,20 +528,22 @@ void NpuRoceTransport::mem_remove(hcomm_mem& m) {
     const uint64_t id = wr_id(r, p.posted);
     if (post(r, w, std::move(op))) ids.emplace_back(r, id);
   }
-  for (auto [r, id] : ids) (void)sync_wait(r, id, Deadline::after_ms(5000), "revocation write");
-  if (!ids.empty()) {
+  std::vector<int> told;  // the ranks whose mailbox write completed
+  for (auto [r, id] : ids)
+    if (sync_wait(r, id, Deadline::after_ms(5000), "revocation write")) told.push_back(r);
+  if (!told.empty()) {
     // The mailbox writes are placed: now the notice, then its acknowledgement.
     const uint32_t n = ++_revocations;
-    reinterpret_cast<uint64_t*>(_scratch.data())[kRevokeWord] = n;
+    reinterpret_cast<uint64_t*>(_scratch.data())[kNoticeWord] = n;
     std::vector<std::pair<int, uint64_t>> notes;
-    for (auto [r, id] : ids) {
+    for (int r : told) {
       RPeer& p = _peers[static_cast<size_t>(r)];
       if (r == _rank || !p.up) continue;
       Op op;
       op.sync = true;
       const uint64_t nid = wr_id(r, p.posted);
       if (post(r,
-               rdma::make_wqe(WrOp::WRITE, scratch_iova(kRevokeWord), _scratch.key, 4,
+               rdma::make_wqe(WrOp::WRITE, scratch_iova(kNoticeWord), _scratch.key, 4,
                               p.mailbox_iova + notice_word(_rank) * 4, p.mailbox_key, 0),
                std::move(op)))
         notes.emplace_back(r, nid);
@@ -552,7 +555,7 @@ void NpuRoceTransport::mem_remove(hcomm_mem& m) {
     const Deadline dl(std::max(std::chrono::milliseconds(1000), 2 * stall_bound()));
     while (!waiting.empty() && !dl.expired() && _lost.is_ok()) {
       for (int r : waiting) poll(r);
-      acknowledge();  // a peer releasing memory at the same time waits for us
+      _ctx.acknowledge_all();  // a peer releasing memory at the same time waits for us
       std::erase_if(waiting, [&](int r) {
         const uint32_t a = std::atomic_ref<uint32_t>(this->mailbox()[ack_word(r)]).load(std::memory_order_acquire);
         return !_peers[static_cast<size_t>(r)].up || static_cast<int32_t>(a - n) >= 0;

@@ -142,18 +142,19 @@ void ShmTransport::revoke(const hcomm_mem& m) {
   _ctrl->regs[m.slot].gen.store(m.gen + 1, std::memory_order_seq_cst);
   // Wait out the accesses between their check and their last byte (see
   // MarkLine): ours, from other threads, and every peer's on this host. A
-  // peer that died mid-access is not waited for; one that stays marked past
-  // the bound (a copy of gigabytes) is reported and not waited for longer.
+  // peer whose process is gone is not waited for; the whole wait is bounded
+  // (5 s: a copy of gigabytes; docs/api.md says what is left past it).
   const uint32_t line = static_cast<uint32_t>(_rank) % kMarkLines;
+  const Deadline dl = Deadline::after_ms(5000);
   for (int r = 0; r < _ctx.size(); ++r) {
     const CtrlSegment* s = seg(r);
-    if (s == nullptr || (r != _rank && !_ctx.peer(r).alive)) continue;
+    if (s == nullptr) continue;
     const std::atomic<uint32_t>& n = s->marks[line].n;
-    if (n.load(std::memory_order_seq_cst) == 0) continue;
-    const Deadline dl = Deadline::after_ms(5000);
     for (uint32_t round = 1; n.load(std::memory_order_seq_cst) != 0; ++round) {
       if ((round & 1023) == 0) {
-        if (dl.expired() || (r != _rank && ::kill(pid(r), 0) != 0 && errno == ESRCH)) break;
+        if (r != _rank && ::kill(pid(r), 0) != 0 && errno == ESRCH) break;
+        if (dl.expired()) return;
+        _ctx.acknowledge_all();  // a peer's release over RDMA may be what that access waits for
         std::this_thread::yield();
       }
       cpu_relax();
@@ -174,7 +175,7 @@ Status ShmTransport::check_entry(int peer, const RkeyHeader& h) const {
 }
 
 Status ShmTransport::live(int peer, uint32_t slot, uint32_t gen) const {
-  if (seg(peer)->regs[slot].gen.load(std::memory_order_acquire) != gen)
+  if (seg(peer)->regs[slot].gen.load(std::memory_order_seq_cst) != gen)  // (after the access mark: see MarkLine)
     return Status::error(Code::access_denied, "the key was revoked by rank %d", peer);
   return Status::ok();
 }

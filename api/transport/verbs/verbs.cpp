@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -66,16 +67,17 @@ Code code_of(ibv_wc_status s) {
 }
 
 // Scratch words: 0..kFetchSlots-1 fetch results; then the import read of a
-// table entry (4 words), the revoked generation or revocation number being
-// written, the result of a synchronous atomic, a notify value, an
-// acknowledgement (where the NIC cannot send it inline).
+// table entry (4 words), the revoked generation being written, the result
+// of a synchronous atomic, a notify value, an acknowledgement (where the NIC
+// cannot send it inline), the revocation number being written.
 constexpr int kFetchSlots = 1008;
 constexpr int kEntryWord = 1008;
 constexpr int kRevokeWord = 1012;
 constexpr int kAtomicWord = 1013;
 constexpr int kNotifyWord = 1014;
 constexpr int kAckWord = 1015;
-constexpr int kScratchWords = 1016;
+constexpr int kNoticeWord = 1016;
+constexpr int kScratchWords = 1017;
 
 }  // namespace
 
@@ -185,7 +187,7 @@ Status VerbsTransport::setup(const VerbsConfig& cfg) {
   _table.assign(kMaxRegs, RegTableEntry{});
   HCOMM_TRY(reg(_table.data(), _table.size() * sizeof(RegTableEntry), IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ,
                 &_table_mr, "registration table"));
-  _locks.assign(kLockStripes, 0);
+  _locks.assign(kLockStripes + 1, 0);  // + the atomics self-test's word
   HCOMM_TRY(reg(_locks.data(), _locks.size() * 8,
                 IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_REMOTE_READ, &_locks_mr,
                 "accumulate locks"));
@@ -344,19 +346,45 @@ Status VerbsTransport::connect(Bootstrap& boot, VerbsTransport* self, const std:
     p.mailbox_rkey = w.h.mailbox_rkey;
     HCOMM_TRY(self->bring_up(r, w.qpn, g, w.h.lid, static_cast<ibv_mtu>(w.h.mtu), w.h.psn));
   }
-  // Drivers have misreported atomics: check the NIC's once, on our own lock
-  // word through the loopback queue pair (0 -> +7 -> back to 0).
-  uint64_t old = 1;
-  VPeer& me = self->_peers[static_cast<size_t>(self->_rank)];
-  HCOMM_TRY(self->sync_atomic(self->_rank, IBV_WR_ATOMIC_FETCH_AND_ADD, me.locks_addr, me.locks_rkey, 7, 0, &old));
-  uint64_t old2 = 0;
-  HCOMM_TRY(self->sync_atomic(self->_rank, IBV_WR_ATOMIC_CMP_AND_SWP, me.locks_addr, me.locks_rkey, 7, 0, &old2));
-  if (old != 0 || old2 != 7 || self->_locks[0] != 0)
-    return Status::error(Code::device_error,
-                         "verbs: %s failed the atomics self-test (fetch_add returned %lu, compare_swap %lu, word %lu)",
-                         self->_dev_name.c_str(), static_cast<unsigned long>(old), static_cast<unsigned long>(old2),
-                         static_cast<unsigned long>(self->_locks[0]));
   return Status::ok();
+}
+
+// Drivers have misreported atomics: before the first operation that needs
+// the NIC's atomics (a fetch atomic, an accumulate's lock), check them once
+// per device and port in this process, on a word of our own through the
+// loopback queue pair (0 -> +7 -> back to 0). The verdict is kept.
+Status VerbsTransport::check_atomics() {
+  static std::mutex mu;
+  static std::map<std::string, Status> verdicts;  // "device:port" -> the self-test's result
+  const std::string dev = _dev_name + ":" + std::to_string(_port);
+  {
+    std::lock_guard lk(mu);
+    if (auto it = verdicts.find(dev); it != verdicts.end()) {
+      _atomics = it->second;
+      _atomics_tested = true;
+      return _atomics;
+    }
+  }
+  VPeer& me = _peers[static_cast<size_t>(_rank)];
+  uint64_t& w = _locks[kLockStripes];  // after the stripes: no peer uses it
+  const uint64_t word = me.locks_addr + kLockStripes * 8;
+  std::atomic_ref<uint64_t>(w).store(0, std::memory_order_release);
+  uint64_t old = 1, old2 = 0;
+  Status st = sync_atomic(_rank, IBV_WR_ATOMIC_FETCH_AND_ADD, word, me.locks_rkey, 7, 0, &old);
+  if (st) st = sync_atomic(_rank, IBV_WR_ATOMIC_CMP_AND_SWP, word, me.locks_rkey, 7, 0, &old2);
+  if (!st) return st;  // the queue pair failed: not a verdict on the device
+  const uint64_t now = std::atomic_ref<uint64_t>(w).load(std::memory_order_acquire);
+  _atomics = old == 0 && old2 == 7 && now == 0
+                 ? Status::ok()
+                 : Status::error(Code::device_error,
+                                 "verbs: %s failed the atomics self-test (fetch_add returned %lu, compare_swap %lu, "
+                                 "word %lu)",
+                                 _dev_name.c_str(), static_cast<unsigned long>(old), static_cast<unsigned long>(old2),
+                                 static_cast<unsigned long>(now));
+  _atomics_tested = true;
+  std::lock_guard lk(mu);
+  verdicts.emplace(dev, _atomics);
+  return _atomics;
 }
 
 Status VerbsTransport::bring_up(int peer, uint32_t qpn, const ibv_gid& gid, uint16_t lid, ibv_mtu mtu, uint32_t psn) {
@@ -757,20 +785,25 @@ void VerbsTransport::mem_remove(hcomm_mem& m) {
   (void)flush(-1, Deadline::after_ms(30000));  // our own operations using it as a local buffer
   // Tearing the context down: peers may have destroyed their queue pairs
   // already (after finalize's barrier); their keys die with ours.
-  if (!_ctx.closing() &&
-      !write_peers(m.gen, static_cast<size_t>(_rank) * kMaxRegs + m.slot, "revocation write").empty())
-    await_acks();
+  if (!_ctx.closing()) {
+    std::vector<int> all;
+    for (int r = 0; r < _size; ++r) all.push_back(r);
+    const std::vector<int> told =
+        write_peers(all, kRevokeWord, m.gen, static_cast<size_t>(_rank) * kMaxRegs + m.slot, "revocation write");
+    if (!told.empty()) await_acks(told);
+  }
   ::ibv_dereg_mr(static_cast<ibv_mr*>(m.verbs_mr));
   m.verbs_mr = nullptr;
 }
 
-std::vector<int> VerbsTransport::write_peers(uint32_t value, size_t word, const char* what) {
-  _scratch[kRevokeWord] = value;
+std::vector<int> VerbsTransport::write_peers(const std::vector<int>& peers, int from, uint32_t value, size_t word,
+                                             const char* what) {
+  _scratch[static_cast<size_t>(from)] = value;
   std::vector<std::pair<int, uint64_t>> posted;
-  for (int r = 0; r < _size; ++r) {
+  for (int r : peers) {
     VPeer& p = _peers[static_cast<size_t>(r)];
     if (r == _rank || !p.up) continue;
-    ibv_sge sge{reinterpret_cast<uint64_t>(&_scratch[kRevokeWord]), 4, _scratch_mr->lkey};
+    ibv_sge sge{reinterpret_cast<uint64_t>(&_scratch[static_cast<size_t>(from)]), 4, _scratch_mr->lkey};
     ibv_send_wr wr = write_wr(sge, p.mailbox_addr + word * 4, p.mailbox_rkey);
     Op op;
     op.sync = true;
@@ -783,17 +816,17 @@ std::vector<int> VerbsTransport::write_peers(uint32_t value, size_t word, const 
   return done;
 }
 
-void VerbsTransport::await_acks() {
+void VerbsTransport::await_acks(const std::vector<int>& told) {
   // The mailbox writes are placed: now the notice, then its acknowledgement.
   const uint32_t n = ++_revocations;
-  std::vector<int> waiting = write_peers(n, notice_word(_rank), "revocation notice");
+  std::vector<int> waiting = write_peers(told, kNoticeWord, n, notice_word(_rank), "revocation notice");
   // Spin 2 ms (a peer inside hcomm answers within a round trip), then nap:
   // on a software NIC the peer's answer needs these CPUs.
   const Clock::time_point start = Clock::now();
   const Deadline dl(revoke_wait());
   while (!waiting.empty() && !dl.expired()) {
     poll_send();
-    acknowledge();  // a peer releasing memory at the same time waits for us
+    _ctx.acknowledge_all();  // a peer releasing memory at the same time waits for us
     std::erase_if(waiting, [&](int r) {
       const uint32_t a = std::atomic_ref<uint32_t>(_mailbox[ack_word(r)]).load(std::memory_order_acquire);
       return !_peers[static_cast<size_t>(r)].up || static_cast<int32_t>(a - n) >= 0;
@@ -889,12 +922,14 @@ Status VerbsTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& r) {
                        r, nullptr);
     }
     case Rma::acc: {
-      Status st = accumulate(a);
+      Status st = atomics_ok();
+      if (st) st = accumulate(a);
       r->complete(st ? HCOMM_OK : to_hcomm(st.code()), st.message());
       return st;
     }
     case Rma::fetch_add:
     case Rma::cswap: {
+      HCOMM_TRY(atomics_ok());
       if (_scratch_free.empty()) {
         Deadline dl = Deadline::after_ms(30000);
         while (_scratch_free.empty() && !dl.expired()) poll_send();
@@ -951,7 +986,7 @@ Status VerbsTransport::accumulate(const RmaOp& a) {
         return Status::error(Code::timeout, "accumulate lock of rank %d held by rank %lu until the deadline", k.peer,
                              static_cast<unsigned long>(old - 1));
       poll_recv();  // keep our own inbound traffic moving while we wait
-      acknowledge();
+      _ctx.acknowledge_all();
     }
     // Checked again under the lock: the wait may have acknowledged a
     // revocation of this memory.

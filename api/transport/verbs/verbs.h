@@ -26,7 +26,9 @@
 // 64-bit atomics; put_notify = the data WRITE, and only once it completed
 // (acknowledged: placed at the target) the WRITE of the notify word;
 // accumulate = under the owner's lock word (taken and released with NIC
-// compare-swap): READ, reduce here, WRITE, in chunks of kAccChunk.
+// compare-swap): READ, reduce here, WRITE, in chunks of kAccChunk. The
+// NIC's atomics are self-tested once per device and port in the process,
+// before the first fetch atomic or accumulate (check_atomics).
 // Keys: each rank publishes its registrations in a table peers can RDMA READ
 // (import checks the key against it: forged, stale and revoked keys are
 // refused before anything is posted) and holds a revocation mailbox per
@@ -90,8 +92,8 @@ class VerbsTransport final : public Transport {
   ~VerbsTransport() override;
   // Collective: every rank that wanted verbs calls it (absent = a rank whose
   // open failed, why in `absent`); exchanges QPN, GID, PSN, MTU and table
-  // addresses through the bootstrap, brings every queue pair to RTS, posts
-  // the receive buffers and self-tests the NIC's atomics.
+  // addresses through the bootstrap, brings every queue pair to RTS and
+  // posts the receive buffers.
   static Status connect(Bootstrap& boot, VerbsTransport* self, const std::string& absent, const Deadline& dl,
                         std::vector<bool>* have);
 
@@ -188,6 +190,9 @@ class VerbsTransport final : public Transport {
   Status sync_atomic(int peer, ibv_wr_opcode opc, uint64_t raddr, uint32_t rkey, uint64_t compare_add, uint64_t swap,
                      uint64_t* old);
   Status accumulate(const RmaOp& a);
+  // The NIC's atomics, self-tested before their first use (check_atomics).
+  Status atomics_ok() { return _atomics_tested ? _atomics : check_atomics(); }
+  Status check_atomics();
   // Whether `peer` revoked generation `gen` of its registration `slot` (our
   // mailbox says so).
   bool revoked(int peer, uint32_t slot, uint32_t gen) const;
@@ -196,11 +201,13 @@ class VerbsTransport final : public Transport {
   // that peer acknowledged.
   size_t notice_word(int owner) const;
   size_t ack_word(int peer) const;
-  // Steps 2 and 3 of a release: the notices, then the acknowledgements.
-  void await_acks();
-  // WRITEs `value` into word `word` of every live peer's mailbox and waits
-  // for those writes: the peers whose write completed.
-  std::vector<int> write_peers(uint32_t value, size_t word, const char* what);
+  // Steps 2 and 3 of a release, with the peers that took step 1: the
+  // notices, then the acknowledgements.
+  void await_acks(const std::vector<int>& told);
+  // WRITEs `value` (from scratch word `from`) into word `word` of the
+  // mailbox of each live rank in `peers` but us, and waits for those
+  // writes: the ranks whose write completed.
+  std::vector<int> write_peers(const std::vector<int>& peers, int from, uint32_t value, size_t word, const char* what);
   // How long a release waits for a peer's acknowledgement.
   std::chrono::milliseconds revoke_wait() const {
     return std::max(std::chrono::milliseconds(1000), 2 * stall_bound());
@@ -243,6 +250,8 @@ class VerbsTransport final : public Transport {
   // then the notice and ack words (notice_word, ack_word)
   std::vector<uint32_t> _mailbox;
   uint32_t _revocations = 0;  // our latest revocation number
+  bool _atomics_tested = false;
+  Status _atomics;  // the atomics self-test's verdict, once _atomics_tested
   ibv_mr* _mailbox_mr = nullptr;
   // scratch: fetch results, import reads, accumulate bounce
   std::vector<uint64_t> _scratch;
