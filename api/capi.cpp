@@ -183,8 +183,12 @@ Context::RmaArgs atomic_args(hcomm::api::Rma op, hcomm_rkey_t* rkey, uint64_t of
   {
     // From before the generation check to the last byte (AccessMark); the
     // fast checks take no lock.
-    const hcomm::api::AccessMark mark(a.rkey);
-    if (ctx.rma_fast_checks(a)) {
+    // One thread-local address per call (a TLS descriptor call each time
+    // otherwise: GCC recomputes it on each path that uses it).
+    hcomm::api::ThreadCache* tc = &hcomm::api::t_cache;
+    asm("" : "+r"(tc));
+    const hcomm::api::AccessMark mark = hcomm::api::key_mark(a.rkey, *tc);
+    if (ctx.rma_fast_checks(a, *tc)) {
       if (uint8_t* t = a.rkey->direct; t != nullptr && hcomm::api::cpu_rma(t + a.roff, a)) return HCOMM_OK;
       const bool atomic = a.op == hcomm::api::Rma::fetch_add || a.op == hcomm::api::Rma::cswap;
       return ret((atomic ? a.rkey->alane : a.rkey->lane)->rma(a, nullptr));

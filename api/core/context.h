@@ -168,7 +168,18 @@ struct LocalHit {
   size_t size = 0;
   const hcomm_mem* m = nullptr;
 };
-extern constinit thread_local LocalHit t_local_hit;
+// One thread-local block for the fast path (one TLS address per call).
+struct ThreadCache {
+  LocalHit hit;
+  MarkSlot mark;  // this thread's access-mark line (api/mem/access_mark.h)
+};
+extern constinit thread_local ThreadCache t_cache;
+
+// The access mark of an access through k (AccessMark; none for a key whose
+// data lane is not a CPU copy on this host).
+[[gnu::always_inline]] inline AccessMark key_mark(const hcomm_rkey* k, ThreadCache& tc = t_cache) noexcept {
+  return AccessMark(k != nullptr ? k->marks : nullptr, k != nullptr ? k->mark_value : 0, tc.mark);
+}
 
 class Context final : public AmSink {
  public:
@@ -205,7 +216,7 @@ class Context final : public AmSink {
   const hcomm_mem* find_local_unlocked(const void* p, size_t len);
   // The per-thread cache alone: its registration when it covers [p, p+len)
   // and no registration changed since it was filled, else null.
-  const hcomm_mem* cached_local(const void* p, size_t len) const;
+  const hcomm_mem* cached_local(const void* p, size_t len, const ThreadCache& tc = t_cache) const;
 
   // one-sided (api/proto/rma.cpp); returns a request (maybe already
   // complete). out == nullptr: the caller blocks; on a synchronous lane the
@@ -233,7 +244,9 @@ class Context final : public AmSink {
   // node registry; no notify, no pending fence, the local buffer in this
   // thread's lookup cache) may run now on a.rkey's lane. False says nothing
   // about why: rma_unlocked checks again and words any error.
-  bool rma_fast_checks(RmaArgs& a) const;
+  // tc: this thread's cache (t_cache), passed in so that a call computes
+  // its address once.
+  bool rma_fast_checks(RmaArgs& a, const ThreadCache& tc) const;
   bool fence_pending() const { return _fence_next.load(std::memory_order_acquire); }
   // hcomm_flush with nothing to wait for, decided without the lock: every
   // transport of this context completes its operations inside the call
@@ -437,7 +450,7 @@ class Context final : public AmSink {
   bool _closing = false;
 };
 
-[[gnu::always_inline]] inline bool Context::rma_fast_checks(RmaArgs& a) const {
+[[gnu::always_inline]] inline bool Context::rma_fast_checks(RmaArgs& a, const ThreadCache& tc) const {
   const hcomm_rkey& k = *a.rkey;
   if (a.notify_rkey != nullptr || k.live_gen == nullptr || fence_pending()) return false;
   unsigned need = 0;
@@ -457,12 +470,13 @@ class Context final : public AmSink {
   if (k.peer != _rank && !_peers[static_cast<size_t>(k.peer)].alive) return false;
   if (need == HCOMM_ACCESS_REMOTE_ATOMIC) return true;
   if (a.local == nullptr || a.len == 0) return false;
-  a.local_mem = cached_local(a.local, a.len);
+  a.local_mem = cached_local(a.local, a.len, tc);
   return a.local_mem != nullptr;
 }
 
-[[gnu::always_inline]] inline const hcomm_mem* Context::cached_local(const void* p, size_t len) const {
-  const LocalHit& h = t_local_hit;
+[[gnu::always_inline]] inline const hcomm_mem* Context::cached_local(const void* p, size_t len,
+                                                                    const ThreadCache& tc) const {
+  const LocalHit& h = tc.hit;
   const auto a = reinterpret_cast<uintptr_t>(p);
   if (h.ctx != this || h.epoch != _mem_epoch.load(std::memory_order_acquire) || a - h.base > h.size ||
       len > h.size - (a - h.base))

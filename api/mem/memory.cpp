@@ -206,7 +206,10 @@ Status Context::rkey_import(int peer, const void* buf, size_t len, hcomm_rkey** 
         if (_shm != nullptr && node(k->lane) && node(k->alane)) k->live_gen = _shm->gen_word(peer, h.slot);
         // Bytes the CPU moves on this host (the data lane is shm or cma, even
         // when the atomicity agent is the NIC) hold the access mark.
-        if (_shm != nullptr && node(k->lane)) k->mark = _shm->mark_word(peer);
+        if (_shm != nullptr && node(k->lane)) {
+          k->marks = _shm->marks();
+          k->mark_value = static_cast<uint32_t>(peer) + 1;
+        }
         if (k->live_gen != nullptr && k->lane == k->alane && k->lane->id() == TransportId::shm) k->direct = k->mapped;
         *out = k.release();
         return Status::ok();
@@ -268,7 +271,7 @@ namespace {
 std::atomic<uint64_t> g_mem_epochs{0};
 }  // namespace
 
-constinit thread_local LocalHit t_local_hit;
+constinit thread_local ThreadCache t_cache;
 
 void Context::mem_changed() {
   _mem_epoch.store(g_mem_epochs.fetch_add(1, std::memory_order_relaxed) + 1, std::memory_order_release);
@@ -278,7 +281,7 @@ const hcomm_mem* Context::find_local_unlocked(const void* p, size_t len) {
   if (const hcomm_mem* hit = cached_local(p, len)) return hit;
   std::lock_guard lock(_mu);
   const hcomm_mem* m = find_local(p, len);
-  if (m != nullptr) t_local_hit = LocalHit{this, _mem_epoch.load(std::memory_order_relaxed), reinterpret_cast<uintptr_t>(m->ptr), m->size, m};
+  if (m != nullptr) t_cache.hit = LocalHit{this, _mem_epoch.load(std::memory_order_relaxed), reinterpret_cast<uintptr_t>(m->ptr), m->size, m};
   return m;
 }
 

@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "api/include/hcomm/hcomm.h"
+#include "api/mem/access_mark.h"
 #include "api/transport/transport.h"
 #include "driver/dma_memory.h"
 #include "hal/npu/device.h"
@@ -87,32 +88,12 @@ struct hcomm_rkey {
   // validates against it (null: ask the lanes).
   bool sync = false;
   const std::atomic<uint32_t>* live_gen = nullptr;
-  // With live_gen: our access mark for the owner (MarkLine in
-  // api/transport/shm/shm.h), held from before the check to the last byte.
-  std::atomic<uint32_t>* mark = nullptr;
+  // A CPU copy on this host (data lane shm or cma): our process's mark table
+  // and the value naming the owner (api/mem/access_mark.h), held from before
+  // the look at the owner's generation to the last byte.
+  hcomm::api::MarkTable* marks = nullptr;
+  uint32_t mark_value = 0;
   // Both lanes are shm: the mapped memory, which the fast path loads and
   // stores itself (cpu_rma in api/transport/shm/shm.h); null otherwise.
   uint8_t* direct = nullptr;
 };
-
-namespace hcomm::api {
-
-// Holds k's access mark (hcomm_rkey::mark; none: nothing) from before the
-// key check to the last byte of the access, so that a release on the same
-// host waits for it (MarkLine in api/transport/shm/shm.h).
-class AccessMark {
- public:
-  explicit AccessMark(const hcomm_rkey* k) noexcept : _n(k != nullptr ? k->mark : nullptr) {
-    if (_n != nullptr) _n->fetch_add(1, std::memory_order_seq_cst);
-  }
-  ~AccessMark() {
-    if (_n != nullptr) _n->fetch_sub(1, std::memory_order_seq_cst);
-  }
-  AccessMark(const AccessMark&) = delete;
-  AccessMark& operator=(const AccessMark&) = delete;
-
- private:
-  std::atomic<uint32_t>* _n;
-};
-
-}  // namespace hcomm::api

@@ -92,7 +92,7 @@ Status Context::rma_run_sync(const RmaArgs& a, Transport* lane, Transport* nlane
 // (a lookup that took the lock, a fence's wait) may have let a release
 // through.
 Status Context::rma_run_marked(const RmaArgs& a, Transport* lane, Transport* nlane) {
-  const AccessMark mark(a.rkey);
+  const AccessMark mark = key_mark(a.rkey);
   HCOMM_TRY(check_live(*a.rkey));
   if (a.notify_rkey != nullptr) HCOMM_TRY(check_live(*a.notify_rkey));
   return rma_run_sync(a, lane, nlane);

@@ -32,6 +32,7 @@ ShmTransport::ShmTransport(Context& ctx, AmSink& sink) : _ctx(ctx), _sink(sink),
 
 Status ShmTransport::open(Context& ctx, AmSink& sink, std::unique_ptr<ShmTransport>* out) {
   std::unique_ptr<ShmTransport> t(new ShmTransport(ctx, sink));
+  (void)marks_init();  // before any access: whether accesses fence themselves
   int fd = ::memfd_create("hcomm-ctrl", MFD_CLOEXEC | kSealableMemfd);
   if (fd < 0) return Status::from_errno(errno, "memfd_create(ctrl)");
   t->_ctrl_fd.reset(fd);
@@ -140,17 +141,17 @@ void ShmTransport::publish(hcomm_mem& m, uint32_t fabric_index) {
 
 void ShmTransport::revoke(const hcomm_mem& m) {
   _ctrl->regs[m.slot].gen.store(m.gen + 1, std::memory_order_seq_cst);
-  // Wait out the accesses between their check and their last byte (see
-  // MarkLine): ours, from other threads, and every peer's on this host. A
-  // peer whose process is gone is not waited for; the whole wait is bounded
-  // (5 s: a copy of gigabytes; docs/api.md says what is left past it).
-  const uint32_t line = static_cast<uint32_t>(_rank) % kMarkLines;
+  // Wait out the accesses between their look at the generation and their
+  // last byte (api/mem/access_mark.h): ours, from other threads, and every
+  // peer's on this host. A peer whose process is gone is not waited for; the
+  // whole wait is bounded (5 s: a copy of gigabytes; docs/api.md says what
+  // is left past it).
+  marks_heavy_barrier();
   const Deadline dl = Deadline::after_ms(5000);
   for (int r = 0; r < _ctx.size(); ++r) {
     const CtrlSegment* s = seg(r);
     if (s == nullptr) continue;
-    const std::atomic<uint32_t>& n = s->marks[line].n;
-    for (uint32_t round = 1; n.load(std::memory_order_seq_cst) != 0; ++round) {
+    for (uint32_t round = 1; marks_name(s->marks, _rank); ++round) {
       if ((round & 1023) == 0) {
         if (r != _rank && ::kill(pid(r), 0) != 0 && errno == ESRCH) break;
         if (dl.expired()) return;

@@ -40,7 +40,6 @@ class Context;
 
 inline constexpr uint32_t kCtrlMagic = 0x4843434cu;  // "HCCL"
 inline constexpr uint32_t kCtrlVersion = 4;  // 3: channel slots with sequence words; 4: access marks
-inline constexpr uint32_t kMarkLines = 64;
 inline constexpr uint32_t kMaxRegs = 4096;
 inline constexpr uint32_t kLockStripes = 64;
 
@@ -66,22 +65,11 @@ struct CtrlHeader {
   uint32_t lock_stripes;
 };
 
-// Access marks: line [owner % kMarkLines] of an initiator's own segment
-// counts its accesses to that owner's memory now between their key check and
-// their last byte (counted up before the check, down after the copy, both
-// seq_cst). A release stores the new generation (seq_cst), then waits for
-// the mark of every rank on the host to drop to zero: an access either saw
-// the new generation and was refused, or its bytes moved before the release
-// returns (Dekker's two stores and two loads).
-struct alignas(64) MarkLine {
-  std::atomic<uint32_t> n;
-};
-
 struct CtrlSegment {
   CtrlHeader hdr;
   alignas(64) RegEntry regs[kMaxRegs];
   alignas(64) pthread_mutex_t locks[kLockStripes];
-  MarkLine marks[kMarkLines];
+  MarkTable marks;  // this process's access marks (api/mem/access_mark.h)
 };
 
 inline constexpr uint32_t kSlots = 64;  // a power of two: sequence words wrap with the u32 position
@@ -182,8 +170,8 @@ class ShmTransport final : public Transport {
   Status live(int peer, uint32_t slot, uint32_t gen) const;
   // The owner's generation word of `slot` (mapped until this transport goes).
   const std::atomic<uint32_t>* gen_word(int peer, uint32_t slot) const { return &seg(peer)->regs[slot].gen; }
-  // Our access mark for the owner `peer` (see MarkLine).
-  std::atomic<uint32_t>* mark_word(int peer) const { return &_ctrl->marks[static_cast<uint32_t>(peer) % kMarkLines].n; }
+  // Our process's access marks (api/mem/access_mark.h).
+  MarkTable* marks() const { return &_ctrl->marks; }
   // A wire key for the owner's live registration (rendezvous pulls).
   bool synth_key(int peer, uint32_t slot, uint32_t gen, std::vector<uint8_t>* key) const;
   // The owner's accumulate lock for `slot`; unlock with pthread_mutex_unlock.
