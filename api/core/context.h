@@ -178,7 +178,8 @@ extern constinit thread_local ThreadCache t_cache;
 // The access mark of an access through k (AccessMark; none for a key whose
 // data lane is not a CPU copy on this host).
 [[gnu::always_inline]] inline AccessMark key_mark(const hcomm_rkey* k, ThreadCache& tc = t_cache) noexcept {
-  return AccessMark(k != nullptr ? k->marks : nullptr, k != nullptr ? k->mark_value : 0, tc.mark);
+  if (k == nullptr) return AccessMark(nullptr, 0, 0, tc.mark);
+  return AccessMark(k->marks, k->mark_table, k->mark_value, tc.mark);
 }
 
 class Context final : public AmSink {

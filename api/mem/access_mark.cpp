@@ -14,14 +14,17 @@ bool g_marks_fence = true;
 MarkLine* take_line(MarkTable& t, MarkSlot& s) {
   const uint32_t i = t.threads.fetch_add(1, std::memory_order_relaxed);
   MarkLine* line = &t.lines[i < kMarkLines - 1 ? i : kMarkLines - 1];
-  s = MarkSlot{&t, line};
+  s = MarkSlot{t.id, line};
   return line;
 }
 }  // namespace detail
 
 namespace {
 long membarrier(int cmd) { return ::syscall(__NR_membarrier, cmd, 0, 0); }
+std::atomic<uint64_t> g_next_table_id{1};
 }  // namespace
+
+uint64_t new_mark_table_id() { return g_next_table_id.fetch_add(1, std::memory_order_relaxed); }
 
 bool marks_init() {
   static std::once_flag once;

@@ -33,8 +33,12 @@ struct alignas(64) MarkLine {
 
 struct MarkTable {
   alignas(64) std::atomic<uint32_t> threads;  // lines handed out to this process's threads
+  uint64_t id;                                // unique in the process (a later table may reuse the address)
   MarkLine lines[kMarkLines];
 };
+
+// An id for a new table (never 0).
+uint64_t new_mark_table_id();
 
 // Registers this process for membarrier's global expedited barrier (once;
 // thread-safe). Returns whether accesses may skip their own fence.
@@ -53,7 +57,7 @@ inline bool marks_name(const MarkTable& t, int owner) {
 // A thread's line in the last table it used (kept in the context's
 // per-thread cache, api/core/context.h: one thread-local block).
 struct MarkSlot {
-  const MarkTable* table = nullptr;
+  uint64_t id = 0;  // the table's
   MarkLine* line = nullptr;
 };
 
@@ -70,9 +74,10 @@ MarkLine* take_line(MarkTable& t, MarkSlot& s);  // a new line in t for this thr
 // Marks do not nest (no access runs inside another).
 class AccessMark {
  public:
-  [[gnu::always_inline]] AccessMark(MarkTable* t, uint32_t value, MarkSlot& s) noexcept {
+  // id: t's (copied into the key, so the check reads no line of t).
+  [[gnu::always_inline]] AccessMark(MarkTable* t, uint64_t id, uint32_t value, MarkSlot& s) noexcept {
     if (t == nullptr) return;
-    _line = s.table == t ? s.line : detail::take_line(*t, s);
+    _line = s.id == id ? s.line : detail::take_line(*t, s);
     if (_line == &t->lines[kMarkLines - 1]) [[unlikely]] {
       _shared = true;
       _line->n.fetch_add(1, std::memory_order_seq_cst);
