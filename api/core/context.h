@@ -171,15 +171,15 @@ struct LocalHit {
 // One thread-local block for the fast path (one TLS address per call).
 struct ThreadCache {
   LocalHit hit;
-  MarkSlot mark;  // this thread's access-mark line (api/mem/access_mark.h)
+  MarkSlot mark;  // this thread's index into access-mark tables (api/mem/access_mark.h)
 };
 extern constinit thread_local ThreadCache t_cache;
 
 // The access mark of an access through k (AccessMark; none for a key whose
 // data lane is not a CPU copy on this host).
 [[gnu::always_inline]] inline AccessMark key_mark(const hcomm_rkey* k, ThreadCache& tc = t_cache) noexcept {
-  if (k == nullptr) return AccessMark(nullptr, 0, 0, tc.mark);
-  return AccessMark(k->marks, k->mark_table, k->mark_value, tc.mark);
+  if (k == nullptr) return AccessMark(nullptr, 0, tc.mark);
+  return AccessMark(k->marks, k->mark_value, tc.mark);
 }
 
 class Context final : public AmSink {

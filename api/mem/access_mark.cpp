@@ -4,43 +4,74 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <mutex>
+#include <thread>
+#include <vector>
 
 namespace hcomm::api {
 
-namespace detail {
-bool g_marks_fence = true;
-
-MarkLine* take_line(MarkTable& t, MarkSlot& s) {
-  const uint32_t i = t.threads.fetch_add(1, std::memory_order_relaxed);
-  MarkLine* line = &t.lines[i < kMarkLines - 1 ? i : kMarkLines - 1];
-  s = MarkSlot{t.id, line};
-  return line;
-}
-}  // namespace detail
-
 namespace {
+
 long membarrier(int cmd) { return ::syscall(__NR_membarrier, cmd, 0, 0); }
-std::atomic<uint64_t> g_next_table_id{1};
+
+// Thread indexes: handed out lowest first, given back when a thread exits.
+std::mutex g_index_mu;
+std::vector<uint32_t> g_free_indexes;
+uint32_t g_next_index = 0;
+
+// Gives the thread's index back at its exit (constructed on its first access).
+struct IndexHolder {
+  uint32_t index = UINT32_MAX;
+  ~IndexHolder() {
+    if (index == UINT32_MAX) return;
+    std::lock_guard lk(g_index_mu);
+    g_free_indexes.push_back(index);
+  }
+};
+
 }  // namespace
 
-uint64_t new_mark_table_id() { return g_next_table_id.fetch_add(1, std::memory_order_relaxed); }
+namespace detail {
+
+bool g_marks_barrier = true;
+
+uint32_t take_index(MarkSlot& s) {
+  thread_local IndexHolder holder;
+  if (holder.index == UINT32_MAX) {
+    std::lock_guard lk(g_index_mu);
+    if (!g_free_indexes.empty()) {
+      holder.index = g_free_indexes.back();
+      g_free_indexes.pop_back();
+    } else {
+      holder.index = g_next_index++;
+    }
+  }
+  s.index1 = holder.index + 1;
+  return holder.index;
+}
+
+}  // namespace detail
 
 bool marks_init() {
   static std::once_flag once;
   std::call_once(once, [] {
     const long q = membarrier(MEMBARRIER_CMD_QUERY);
-    detail::g_marks_fence = !(q > 0 && (q & MEMBARRIER_CMD_GLOBAL_EXPEDITED) != 0 &&
-                              membarrier(MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED) == 0);
+    detail::g_marks_barrier = !(q > 0 && (q & MEMBARRIER_CMD_GLOBAL_EXPEDITED) != 0 &&
+                                membarrier(MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED) == 0);
   });
-  return !detail::g_marks_fence;
+  return !detail::g_marks_barrier;
 }
 
 void marks_heavy_barrier() {
-  // Registered processes are reached by the membarrier (whether or not this
-  // one could register); one that could not fences each access itself.
-  (void)membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED);
-  std::atomic_thread_fence(std::memory_order_seq_cst);
+  // Registered processes are reached by the membarrier, whether or not this
+  // one could register; one that could not makes its own barrier per access.
+  if (membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED) != 0) {
+    // Refused here but maybe not in a peer's process (another seccomp
+    // policy): what a peer stored without a barrier leaves its store buffer
+    // within nanoseconds; wait far longer than that before reading.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 }  // namespace hcomm::api

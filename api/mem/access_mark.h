@@ -2,22 +2,25 @@
 // already looked at the owner's generation (docs/api.md, "Keys").
 //
 // Each process's control segment holds a MarkTable. Its first
-// kMarkLines - 1 lines belong one each to the process's threads that make a
-// CPU access (handed out on a thread's first one); the last line is a
-// counter shared by any further threads. An access stores the owner's rank
-// + 1 in its thread's line before it looks at the owner's generation, and
-// puts the line back after its last byte. A release stores the new
-// generation, runs a barrier on every thread of every hcomm process
-// (heavy_barrier), then waits until no line of a same-host rank names it.
+// kMarkLines - 1 lines belong one each to the process's threads (by a
+// process-wide thread index, handed out at a thread's first access and
+// given back when the thread exits); the last line is a counter shared by
+// the threads beyond those. An access stores the owner's rank + 1 in its
+// thread's line before it looks at the owner's generation, and 0 after its
+// last byte. A release stores the new generation, runs a barrier on every
+// thread of every hcomm process (marks_heavy_barrier), then waits until no
+// line of a same-host rank names it.
 //
 // That is Dekker's protocol with the fence moved to the rare side: the
-// access pays two plain stores and no fence, because membarrier
-// (MEMBARRIER_CMD_GLOBAL_EXPEDITED, each process registered at init) makes
-// every running thread of a registered process execute a full barrier
-// before the release reads the lines. Where the kernel refuses membarrier,
-// every access fences itself instead (std::atomic_thread_fence) and the
-// release fences too. An atomic read-modify-write on both sides, the first
-// version, cost 10 ns per 8-byte put (7.8 -> 18.5 ns, docs/performance.md).
+// access pays two plain stores, because membarrier
+// (MEMBARRIER_CMD_GLOBAL_EXPEDITED, each process registered when its first
+// context opens) makes every running thread of a registered process execute
+// a full barrier before the release reads the lines, and a thread that is
+// not running passed one when it was switched out. Where the kernel refuses
+// the registration, each access stores its mark with a seq_cst exchange
+// instead (a full barrier; no std::atomic_thread_fence, which GCC's TSan
+// rejects). An atomic read-modify-write on both sides of every access, the
+// first version, cost 10 ns per 8-byte put (docs/performance.md).
 #pragma once
 
 #include <atomic>
@@ -32,60 +35,55 @@ struct alignas(64) MarkLine {
 };
 
 struct MarkTable {
-  alignas(64) std::atomic<uint32_t> threads;  // lines handed out to this process's threads
-  uint64_t id;                                // unique in the process (a later table may reuse the address)
   MarkLine lines[kMarkLines];
 };
 
-// An id for a new table (never 0).
-uint64_t new_mark_table_id();
-
 // Registers this process for membarrier's global expedited barrier (once;
-// thread-safe). Returns whether accesses may skip their own fence.
+// thread-safe). Returns whether accesses may skip their own barrier.
 bool marks_init();
-// The release's side: a full barrier on every thread of every registered
-// process (or this thread's fence where the kernel refused).
+// The release's side, between its generation store and its reads of the
+// lines: a full barrier on every thread of every registered process.
 void marks_heavy_barrier();
 // Whether the owner `owner` is named by any line of table t.
 inline bool marks_name(const MarkTable& t, int owner) {
   const uint32_t v = static_cast<uint32_t>(owner) + 1;
   for (uint32_t i = 0; i + 1 < kMarkLines; ++i)
-    if (t.lines[i].n.load(std::memory_order_acquire) == v) return true;
-  return t.lines[kMarkLines - 1].n.load(std::memory_order_acquire) != 0;
+    if (t.lines[i].n.load(std::memory_order_seq_cst) == v) return true;
+  return t.lines[kMarkLines - 1].n.load(std::memory_order_seq_cst) != 0;
 }
 
-// A thread's line in the last table it used (kept in the context's
-// per-thread cache, api/core/context.h: one thread-local block).
+// A thread's index into every MarkTable, + 1 (0: none yet); kept in the
+// context's per-thread cache (api/core/context.h: one thread-local block).
 struct MarkSlot {
-  uint64_t id = 0;  // the table's
-  MarkLine* line = nullptr;
+  uint32_t index1 = 0;
 };
 
 namespace detail {
-extern bool g_marks_fence;  // accesses fence themselves (no membarrier)
-MarkLine* take_line(MarkTable& t, MarkSlot& s);  // a new line in t for this thread (or the shared last one)
+extern bool g_marks_barrier;  // accesses make their own barrier (no membarrier)
+uint32_t take_index(MarkSlot& s);  // this thread's index (given back at its exit)
 }  // namespace detail
 
 // Holds this thread's mark (value: the owner's rank + 1) in table t (null:
 // nothing) for its scope: from before the look at the owner's generation to
-// the last byte. A thread keeps its line for the last table it used; one
-// that alternates between contexts takes a new line each time and ends up
-// on the shared last line (correct, with a read-modify-write per access).
-// Marks do not nest (no access runs inside another).
+// the last byte. Marks do not nest (no access runs inside another).
 class AccessMark {
  public:
-  // id: t's (copied into the key, so the check reads no line of t).
-  [[gnu::always_inline]] AccessMark(MarkTable* t, uint64_t id, uint32_t value, MarkSlot& s) noexcept {
+  [[gnu::always_inline]] AccessMark(MarkTable* t, uint32_t value, MarkSlot& s) noexcept {
     if (t == nullptr) return;
-    _line = s.id == id ? s.line : detail::take_line(*t, s);
-    if (_line == &t->lines[kMarkLines - 1]) [[unlikely]] {
+    const uint32_t i = s.index1 != 0 ? s.index1 - 1 : detail::take_index(s);
+    if (i >= kMarkLines - 1) [[unlikely]] {
+      _line = &t->lines[kMarkLines - 1];
       _shared = true;
       _line->n.fetch_add(1, std::memory_order_seq_cst);
       return;
     }
-    _line->n.store(value, std::memory_order_relaxed);
-    if (detail::g_marks_fence) [[unlikely]] std::atomic_thread_fence(std::memory_order_seq_cst);
-    else std::atomic_signal_fence(std::memory_order_seq_cst);
+    _line = &t->lines[i];
+    if (detail::g_marks_barrier) [[unlikely]] {
+      (void)_line->n.exchange(value, std::memory_order_seq_cst);
+    } else {
+      _line->n.store(value, std::memory_order_relaxed);
+      std::atomic_signal_fence(std::memory_order_seq_cst);  // (the release's membarrier orders the CPU)
+    }
   }
   [[gnu::always_inline]] ~AccessMark() {
     if (_line == nullptr) return;

@@ -208,7 +208,6 @@ Status Context::rkey_import(int peer, const void* buf, size_t len, hcomm_rkey** 
         // when the atomicity agent is the NIC) hold the access mark.
         if (_shm != nullptr && node(k->lane)) {
           k->marks = _shm->marks();
-          k->mark_table = k->marks->id;
           k->mark_value = static_cast<uint32_t>(peer) + 1;
         }
         if (k->live_gen != nullptr && k->lane == k->alane && k->lane->id() == TransportId::shm) k->direct = k->mapped;

@@ -92,7 +92,6 @@ struct hcomm_rkey {
   // and the value naming the owner (api/mem/access_mark.h), held from before
   // the look at the owner's generation to the last byte.
   hcomm::api::MarkTable* marks = nullptr;
-  uint64_t mark_table = 0;  // marks->id
   uint32_t mark_value = 0;
   // Both lanes are shm: the mapped memory, which the fast path loads and
   // stores itself (cpu_rma in api/transport/shm/shm.h); null otherwise.

@@ -43,7 +43,6 @@ Status ShmTransport::open(Context& ctx, AmSink& sink, std::unique_ptr<ShmTranspo
   t->_ctrl = static_cast<CtrlSegment*>(p);
   t->_ctrl->hdr = CtrlHeader{kCtrlMagic, kCtrlVersion, ctx.rank(), static_cast<int32_t>(::getpid()), ctx.job_hash(),
                              kMaxRegs, kLockStripes};
-  t->_ctrl->marks.id = new_mark_table_id();  // (a fresh memfd: every line 0)
   pthread_mutexattr_t ma;
   pthread_mutexattr_init(&ma);
   pthread_mutexattr_setpshared(&ma, PTHREAD_PROCESS_SHARED);

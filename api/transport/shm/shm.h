@@ -39,7 +39,7 @@ namespace hcomm::api {
 class Context;
 
 inline constexpr uint32_t kCtrlMagic = 0x4843434cu;  // "HCCL"
-inline constexpr uint32_t kCtrlVersion = 4;  // 3: channel slots with sequence words; 4: access marks
+inline constexpr uint32_t kCtrlVersion = 5;  // 3: channel slots with sequence words; 5: access marks
 inline constexpr uint32_t kMaxRegs = 4096;
 inline constexpr uint32_t kLockStripes = 64;
 
