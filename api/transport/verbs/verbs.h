@@ -36,15 +36,18 @@
 // sees it (a remote access NAK would break the pair). Releasing memory:
 //  1. RDMA WRITE the revoked generation into every peer's mailbox; wait for
 //     those writes to complete (placed at the peers);
-//  2. RDMA WRITE a revocation number (per owner, increasing) into every
-//     peer's notice word;
-//  3. wait for every peer to RDMA WRITE that number back into our ack word.
+//  2. RDMA WRITE a revocation number (per owner, increasing) into the notice
+//     word of every peer whose mailbox write completed;
+//  3. wait for those peers to RDMA WRITE that number back into our ack word.
 //     A peer writes it (acknowledge(): from progress, barriers and other
 //     waits) on its own queue pair to us, behind everything it posted before
-//     it saw the notice, and it checks the mailbox again right before each
-//     post (rma(), each accumulate chunk, the notify word of put_notify):
-//     so when the ack lands, every access that passed the check before the
-//     revocation has run at our NIC, and none after it will be posted;
+//     it saw the notice and fenced (IBV_SEND_FENCE: only once its earlier
+//     READs and atomics have their responses, so none of them is asked
+//     again after we deregister), and it checks the mailbox again right
+//     before each post (rma(), each accumulate chunk, the notify word of
+//     put_notify): so when the ack lands, every access that passed the check
+//     before the revocation has run at our NIC, and none after it will be
+//     posted;
 //  4. deregister. A peer that does not acknowledge within revoke_wait() (it
 //     makes no hcomm call) is not waited for longer: what it posted before
 //     has had the queue pair's retry bound to run.
