@@ -176,7 +176,7 @@ Status ShmTransport::check_entry(int peer, const RkeyHeader& h) const {
 }
 
 Status ShmTransport::live(int peer, uint32_t slot, uint32_t gen) const {
-  if (seg(peer)->regs[slot].gen.load(std::memory_order_seq_cst) != gen)  // (after the access mark: see MarkLine)
+  if (seg(peer)->regs[slot].gen.load(std::memory_order_seq_cst) != gen)  // (after the access mark: api/mem/access_mark.h)
     return Status::error(Code::access_denied, "the key was revoked by rank %d", peer);
   return Status::ok();
 }
