@@ -2,13 +2,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstring>
 #include <random>
-#include <thread>
 
 #include "api/core/context.h"
 #include "api/proto/am_check.h"
+#include "api/transport/revocation.h"
 #include "api/transport/shm/shm.h"
 #include "common/barrier.h"
 #include "common/env.h"
@@ -102,7 +101,7 @@ Status NpuRoceTransport::setup(const NpuRoceConfig& cfg, const std::vector<bool>
   HCOMM_TRY(region(n * (kRecvDepth + kSendRing) * kSlot, rdma::access::LOCAL_WRITE, &_am, "message buffers"));
   HCOMM_TRY(region(kMaxRegs * sizeof(Entry), rdma::access::LOCAL_WRITE | rdma::access::REMOTE_READ, &_table,
                    "registration table"));
-  HCOMM_TRY(region(n * (kMaxRegs + 2) * 4, rdma::access::LOCAL_WRITE | rdma::access::REMOTE_WRITE, &_mailbox,
+  HCOMM_TRY(region(RevocationMailbox::words(_size) * 4, rdma::access::LOCAL_WRITE | rdma::access::REMOTE_WRITE, &_mailbox,
                    "revocation mailboxes"));
   HCOMM_TRY(region(kScratchWords * 8, rdma::access::LOCAL_WRITE, &_scratch, "scratch"));
   for (int i = kFetchSlots - 1; i >= 0; --i) _scratch_free.push_back(i);
@@ -417,11 +416,8 @@ void NpuRoceTransport::progress() {
   acknowledge();
 }
 
-size_t NpuRoceTransport::notice_word(int owner) const {
-  return static_cast<size_t>(_size) * kMaxRegs + static_cast<size_t>(owner);
-}
-size_t NpuRoceTransport::ack_word(int peer) const {
-  return static_cast<size_t>(_size) * (kMaxRegs + 1) + static_cast<size_t>(peer);
+RevocationMailbox NpuRoceTransport::mb() const {
+  return RevocationMailbox(reinterpret_cast<uint32_t*>(_mailbox.data()), _size);
 }
 
 // A revocation notice answered on our queue pair to its owner, behind what
@@ -433,7 +429,7 @@ void NpuRoceTransport::acknowledge() {
   if (!_lost.is_ok()) return;
   for (int r = 0; r < _size; ++r) {
     RPeer& p = _peers[static_cast<size_t>(r)];
-    const uint32_t n = std::atomic_ref<uint32_t>(mailbox()[notice_word(r)]).load(std::memory_order_acquire);
+    const uint32_t n = mb().load(mb().notice_word(r));
     if (n == p.notice_acked || !p.up || r == _rank) continue;
     const int s = take_scratch(Deadline::after_ms(5000));
     if (s < 0) return;
@@ -441,7 +437,7 @@ void NpuRoceTransport::acknowledge() {
     Op op;
     op.scratch = s;  // held until the WRITE completes
     if (post(r,
-             rdma::make_wqe(WrOp::WRITE, scratch_iova(s), _scratch.key, 4, p.mailbox_iova + ack_word(_rank) * 4,
+             rdma::make_wqe(WrOp::WRITE, scratch_iova(s), _scratch.key, 4, p.mailbox_iova + mb().ack_word(_rank) * 4,
                             p.mailbox_key, 0, rdma::wr_flag::FENCE),
              std::move(op))) {
       p.notice_acked = n;
@@ -509,9 +505,8 @@ void NpuRoceTransport::mem_remove(hcomm_mem& m) {
   // Revoke: the table entry, our own mailbox, then every peer's mailbox by
   // an RDMA WRITE, waited for (bounded) before the engine forgets the key.
   auto* table = reinterpret_cast<Entry*>(_table.data());
-  auto* mailbox = reinterpret_cast<uint32_t*>(_mailbox.data());
   std::atomic_ref<uint64_t>(table[m.slot].gen).store(m.gen + 1, std::memory_order_release);
-  std::atomic_ref<uint32_t>(mailbox[static_cast<size_t>(_rank) * kMaxRegs + m.slot]).store(m.gen, std::memory_order_release);
+  mb().store(RevocationMailbox::slot_word(_rank, m.slot), m.gen);
   (void)flush(-1, Deadline::after_ms(30000));  // our own operations using it as a local buffer
   reinterpret_cast<uint64_t*>(_scratch.data())[kRevokeWord] = m.gen;
   std::vector<std::pair<int, uint64_t>> ids;
@@ -521,7 +516,7 @@ void NpuRoceTransport::mem_remove(hcomm_mem& m) {
     // barrier); their keys die with ours.
     if (!p.up || _ctx.closing()) continue;
     rdma::SendWqe w = rdma::make_wqe(WrOp::WRITE, scratch_iova(kRevokeWord), _scratch.key, 4,
-                                     p.mailbox_iova + (static_cast<uint64_t>(_rank) * kMaxRegs + m.slot) * 4,
+                                     p.mailbox_iova + RevocationMailbox::slot_word(_rank, m.slot) * 4,
                                      p.mailbox_key, 0);
     Op op;
     op.sync = true;
@@ -544,25 +539,20 @@ void NpuRoceTransport::mem_remove(hcomm_mem& m) {
       const uint64_t nid = wr_id(r, p.posted);
       if (post(r,
                rdma::make_wqe(WrOp::WRITE, scratch_iova(kNoticeWord), _scratch.key, 4,
-                              p.mailbox_iova + notice_word(_rank) * 4, p.mailbox_key, 0),
+                              p.mailbox_iova + mb().notice_word(_rank) * 4, p.mailbox_key, 0),
                std::move(op)))
         notes.emplace_back(r, nid);
     }
     std::vector<int> waiting;
     for (auto [r, nid] : notes)
       if (sync_wait(r, nid, Deadline::after_ms(5000), "revocation notice")) waiting.push_back(r);
-    const Clock::time_point start = Clock::now();
-    const Deadline dl(std::max(std::chrono::milliseconds(1000), 2 * stall_bound()));
-    while (!waiting.empty() && !dl.expired() && _lost.is_ok()) {
-      for (int r : waiting) poll(r);
-      _ctx.acknowledge_all();  // a peer releasing memory at the same time waits for us
-      std::erase_if(waiting, [&](int r) {
-        const uint32_t a = std::atomic_ref<uint32_t>(this->mailbox()[ack_word(r)]).load(std::memory_order_acquire);
-        return !_peers[static_cast<size_t>(r)].up || static_cast<int32_t>(a - n) >= 0;
-      });
-      if (Clock::now() - start < std::chrono::milliseconds(2)) cpu_relax();
-      else std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
+    mb().await_acks(
+        waiting, n, Deadline(RevocationMailbox::ack_wait(stall_bound())),
+        [&] {
+          for (int r : waiting) poll(r);
+          _ctx.acknowledge_all();  // a peer releasing memory at the same time waits for us
+        },
+        [this](int r) { return _lost.is_ok() && _peers[static_cast<size_t>(r)].up; });
   }
   (void)_dev.mr_invalidate(m.roce_key);
   m.roce_key = 0;
@@ -603,10 +593,7 @@ Status NpuRoceTransport::import(hcomm_rkey& k, const uint8_t* sec, size_t len) {
 }
 
 Status NpuRoceTransport::validate(const hcomm_rkey& k) const {
-  const auto* mailbox = reinterpret_cast<const uint32_t*>(_mailbox.data());
-  const uint32_t revoked = std::atomic_ref<const uint32_t>(mailbox[static_cast<size_t>(k.peer) * kMaxRegs + k.h.slot])
-                               .load(std::memory_order_acquire);
-  if (revoked != 0 && revoked >= k.h.gen)
+  if (mb().revoked(k.peer, k.h.slot, k.h.gen))
     return Status::error(Code::access_denied, "the key was revoked by rank %d", k.peer);
   return Status::ok();
 }

@@ -47,6 +47,7 @@
 namespace hcomm::api {
 
 class Context;
+class RevocationMailbox;
 
 struct NpuRoceConfig {
   int timeout = 14;  // HCOMM_ROCE_TIMEOUT: local ACK timeout, 4.096 us * 2^timeout (1..31)
@@ -181,11 +182,9 @@ class NpuRoceTransport final : public Transport {
   std::vector<RPeer> _peers;
   Region _am;       // recv [size][kRecvDepth][kSlot], then send [size][kSendRing][kSlot]
   Region _table;    // Entry x kMaxRegs
-  Region _mailbox;  // [owner rank][slot] = highest revoked generation (u32), then notice and ack words
+  Region _mailbox;  // revocation mailboxes (RevocationMailbox's layout)
   uint32_t _revocations = 0;  // our latest revocation number
-  uint32_t* mailbox() const { return reinterpret_cast<uint32_t*>(_mailbox.data()); }
-  size_t notice_word(int owner) const;
-  size_t ack_word(int peer) const;
+  RevocationMailbox mb() const;  // a view of _mailbox (api/transport/revocation.h)
   Region _scratch;  // fetch results, notify values, import reads, the revoked generation
   std::vector<int> _scratch_free;
   std::map<uint64_t, Op> _ops;            // by wr_id

@@ -11,11 +11,11 @@
 #include <cstring>
 #include <mutex>
 #include <random>
-#include <thread>
 
 #include "api/core/context.h"
 #include "api/proto/am_check.h"
 #include "api/proto/verbs_wire.h"
+#include "api/transport/revocation.h"
 #include "api/transport/shm/shm.h"
 #include "common/barrier.h"
 #include "common/env.h"
@@ -191,7 +191,7 @@ Status VerbsTransport::setup(const VerbsConfig& cfg) {
   HCOMM_TRY(reg(_locks.data(), _locks.size() * 8,
                 IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_REMOTE_READ, &_locks_mr,
                 "accumulate locks"));
-  _mailbox.assign(static_cast<size_t>(_size) * (kMaxRegs + 2), 0);
+  _mailbox.assign(RevocationMailbox::words(_size), 0);
   HCOMM_TRY(reg(_mailbox.data(), _mailbox.size() * 4, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, &_mailbox_mr,
                 "revocation mailboxes"));
   _scratch.assign(kScratchWords, 0);
@@ -539,7 +539,7 @@ void VerbsTransport::complete_op(uint64_t id, const ibv_wc& wc) {
       // is gone (see "refused keys" in verbs.h: the NIC never sees one).
       _sink.on_peer_failed(peer, std::string("verbs queue pair failed: ") + ::ibv_wc_status_str(wc.status));
     }
-  } else if (op.notify_addr != 0 && r != nullptr && !r->done() && revoked(peer, op.notify_slot, op.notify_gen)) {
+  } else if (op.notify_addr != 0 && r != nullptr && !r->done() && mb().revoked(peer, op.notify_slot, op.notify_gen)) {
     // The word's memory was released while the data was in flight.
     r->complete(HCOMM_ERR_ACCESS, "put_notify: the notify word's key was revoked by rank " + std::to_string(peer) +
                                       " before the data completed");
@@ -659,12 +659,12 @@ void VerbsTransport::progress() {
 void VerbsTransport::acknowledge() {
   for (int r = 0; r < _size; ++r) {
     VPeer& p = _peers[static_cast<size_t>(r)];
-    const uint32_t n = std::atomic_ref<uint32_t>(_mailbox[notice_word(r)]).load(std::memory_order_acquire);
+    const uint32_t n = mb().load(mb().notice_word(r));
     if (n == p.notice_acked || !p.up || r == _rank) continue;
     // Behind everything we posted to r before we saw the notice; everything
     // after it checks the mailbox, which the notice's owner wrote first.
     ibv_sge sge{reinterpret_cast<uint64_t>(&n), 4, 0};
-    ibv_send_wr wr = write_wr(sge, p.mailbox_addr + ack_word(_rank) * 4, p.mailbox_rkey);
+    ibv_send_wr wr = write_wr(sge, p.mailbox_addr + mb().ack_word(_rank) * 4, p.mailbox_rkey);
     // Fenced: it leaves once our earlier READs and atomics have their
     // responses. One whose response is lost is asked again, and a duplicate
     // READ that finds the memory deregistered draws a remote access NAK.
@@ -685,17 +685,8 @@ void VerbsTransport::acknowledge() {
   }
 }
 
-size_t VerbsTransport::notice_word(int owner) const {
-  return static_cast<size_t>(_size) * kMaxRegs + static_cast<size_t>(owner);
-}
-size_t VerbsTransport::ack_word(int peer) const {
-  return static_cast<size_t>(_size) * (kMaxRegs + 1) + static_cast<size_t>(peer);
-}
-
-bool VerbsTransport::revoked(int peer, uint32_t slot, uint32_t gen) const {
-  const uint32_t r = std::atomic_ref<const uint32_t>(_mailbox[static_cast<size_t>(peer) * kMaxRegs + slot])
-                         .load(std::memory_order_acquire);
-  return r != 0 && r >= gen;
+RevocationMailbox VerbsTransport::mb() const {
+  return RevocationMailbox(const_cast<uint32_t*>(_mailbox.data()), _size);  // (peers write it: never const)
 }
 
 Status VerbsTransport::sync_wait(uint64_t id, const Deadline& dl, const char* what) {
@@ -780,8 +771,7 @@ void VerbsTransport::mem_remove(hcomm_mem& m) {
   // Revoke: the table entry, our own mailbox, then every peer's mailbox by an
   // RDMA WRITE, waited for (bounded) before the NIC forgets the memory.
   std::atomic_ref<uint64_t>(_table[m.slot].gen).store(m.gen + 1, std::memory_order_release);
-  std::atomic_ref<uint32_t>(_mailbox[static_cast<size_t>(_rank) * kMaxRegs + m.slot])
-      .store(m.gen, std::memory_order_release);
+  mb().store(RevocationMailbox::slot_word(_rank, m.slot), m.gen);
   (void)flush(-1, Deadline::after_ms(30000));  // our own operations using it as a local buffer
   // Tearing the context down: peers may have destroyed their queue pairs
   // already (after finalize's barrier); their keys die with ours.
@@ -789,7 +779,7 @@ void VerbsTransport::mem_remove(hcomm_mem& m) {
     std::vector<int> all;
     for (int r = 0; r < _size; ++r) all.push_back(r);
     const std::vector<int> told =
-        write_peers(all, kRevokeWord, m.gen, static_cast<size_t>(_rank) * kMaxRegs + m.slot, "revocation write");
+        write_peers(all, kRevokeWord, m.gen, RevocationMailbox::slot_word(_rank, m.slot), "revocation write");
     if (!told.empty()) await_acks(told);
   }
   ::ibv_dereg_mr(static_cast<ibv_mr*>(m.verbs_mr));
@@ -819,21 +809,13 @@ std::vector<int> VerbsTransport::write_peers(const std::vector<int>& peers, int 
 void VerbsTransport::await_acks(const std::vector<int>& told) {
   // The mailbox writes are placed: now the notice, then its acknowledgement.
   const uint32_t n = ++_revocations;
-  std::vector<int> waiting = write_peers(told, kNoticeWord, n, notice_word(_rank), "revocation notice");
-  // Spin 2 ms (a peer inside hcomm answers within a round trip), then nap:
-  // on a software NIC the peer's answer needs these CPUs.
-  const Clock::time_point start = Clock::now();
-  const Deadline dl(revoke_wait());
-  while (!waiting.empty() && !dl.expired()) {
-    poll_send();
-    _ctx.acknowledge_all();  // a peer releasing memory at the same time waits for us
-    std::erase_if(waiting, [&](int r) {
-      const uint32_t a = std::atomic_ref<uint32_t>(_mailbox[ack_word(r)]).load(std::memory_order_acquire);
-      return !_peers[static_cast<size_t>(r)].up || static_cast<int32_t>(a - n) >= 0;
-    });
-    if (Clock::now() - start < std::chrono::milliseconds(2)) cpu_relax();
-    else std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
+  mb().await_acks(
+      write_peers(told, kNoticeWord, n, mb().notice_word(_rank), "revocation notice"), n, Deadline(RevocationMailbox::ack_wait(stall_bound())),
+      [this] {
+        poll_send();
+        _ctx.acknowledge_all();  // a peer releasing memory at the same time waits for us
+      },
+      [this](int r) { return _peers[static_cast<size_t>(r)].up; });
 }
 
 bool VerbsTransport::pack(const hcomm_mem& m, uint8_t* sec, size_t* len) const {
@@ -868,7 +850,7 @@ Status VerbsTransport::import(hcomm_rkey& k, const uint8_t* sec, size_t len) {
 }
 
 Status VerbsTransport::validate(const hcomm_rkey& k) const {
-  if (revoked(k.peer, k.h.slot, k.h.gen))
+  if (mb().revoked(k.peer, k.h.slot, k.h.gen))
     return Status::error(Code::access_denied, "the key was revoked by rank %d", k.peer);
   return Status::ok();
 }

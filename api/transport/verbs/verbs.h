@@ -48,15 +48,14 @@
 //     put_notify): so when the ack lands, every access that passed the check
 //     before the revocation has run at our NIC, and none after it will be
 //     posted;
-//  4. deregister. A peer that does not acknowledge within revoke_wait() (it
+//  4. deregister. A peer that does not acknowledge within
+//     RevocationMailbox::ack_wait (it
 //     makes no hcomm call) is not waited for longer: what it posted before
 //     has had the queue pair's retry bound to run.
 #pragma once
 
 #include <infiniband/verbs.h>
 
-#include <algorithm>
-#include <chrono>
 #include <map>
 #include <memory>
 #include <string>
@@ -70,6 +69,7 @@
 namespace hcomm::api {
 
 class Context;
+class RevocationMailbox;
 
 struct VerbsConfig {
   std::string device;     // HCOMM_IB_DEVICE ("" = first with an active port)
@@ -196,14 +196,8 @@ class VerbsTransport final : public Transport {
   // The NIC's atomics, self-tested before their first use (check_atomics).
   Status atomics_ok() { return _atomics_tested ? _atomics : check_atomics(); }
   Status check_atomics();
-  // Whether `peer` revoked generation `gen` of its registration `slot` (our
-  // mailbox says so).
-  bool revoked(int peer, uint32_t slot, uint32_t gen) const;
-  // Mailbox words after the [owner][slot] generations: [owner] = the owner's
-  // latest revocation number (its notice), then [peer] = the latest of ours
-  // that peer acknowledged.
-  size_t notice_word(int owner) const;
-  size_t ack_word(int peer) const;
+  // Our revocation mailbox (api/transport/revocation.h).
+  RevocationMailbox mb() const;
   // Steps 2 and 3 of a release, with the peers that took step 1: the
   // notices, then the acknowledgements.
   void await_acks(const std::vector<int>& told);
@@ -211,10 +205,6 @@ class VerbsTransport final : public Transport {
   // mailbox of each live rank in `peers` but us, and waits for those
   // writes: the ranks whose write completed.
   std::vector<int> write_peers(const std::vector<int>& peers, int from, uint32_t value, size_t word, const char* what);
-  // How long a release waits for a peer's acknowledgement.
-  std::chrono::milliseconds revoke_wait() const {
-    return std::max(std::chrono::milliseconds(1000), 2 * stall_bound());
-  }
   // known: the registration holding [p, p+len) when the caller found it already.
   Status lkey_of(const void* p, size_t len, uint32_t* lkey, ibv_mr** own, const hcomm_mem* known = nullptr);
   uint64_t wr_id(int peer, uint64_t seq) const { return (uint64_t(uint32_t(peer)) << 40) | (seq & ((1ull << 40) - 1)); }
@@ -249,8 +239,7 @@ class VerbsTransport final : public Transport {
   std::vector<uint64_t> _locks;
   ibv_mr* _table_mr = nullptr;
   ibv_mr* _locks_mr = nullptr;
-  // revocation mailboxes: [owner rank][slot] = highest revoked generation,
-  // then the notice and ack words (notice_word, ack_word)
+  // revocation mailboxes (RevocationMailbox's layout)
   std::vector<uint32_t> _mailbox;
   uint32_t _revocations = 0;  // our latest revocation number
   bool _atomics_tested = false;
