@@ -191,7 +191,9 @@ Status Context::init(const hcomm_config_t& cfg) {
   _slot_gen.assign(kMaxRegs, 0);
   HCOMM_TRY(open_transports(cfg, li, dl));
   // While a collective waits, peers may wait on us (verbs: a revocation).
-  _boot->on_idle([this] { acknowledge_all(); });
+  // Without such a transport a collective's wait has nothing to wake for.
+  if (std::any_of(_transports.begin(), _transports.end(), [](const auto& t) { return t->caps().acknowledges; }))
+    _boot->on_idle([this] { return acknowledge_all(); });
   _sync_only = std::all_of(_transports.begin(), _transports.end(), [](const auto& t) { return t->caps().sync; });
   HCOMM_TRY(open_claims(dl));
   reserve_blocks();

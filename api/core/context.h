@@ -298,9 +298,12 @@ class Context final : public AmSink {
   Status pump_control(Peer& p, const Deadline& dl);
 
   // Every transport's acknowledge() (revocation notices): release waits call
-  // it so that two ranks releasing at once answer each other.
-  void acknowledge_all() {
-    for (auto& t : _transports) t->acknowledge();
+  // it so that two ranks releasing at once answer each other. Returns
+  // whether any found a notice to answer.
+  bool acknowledge_all() {
+    bool found = false;
+    for (auto& t : _transports) found |= t->acknowledge();
+    return found;
   }
  private:
   Context() = default;

@@ -57,6 +57,9 @@ struct Caps {
   // Rendezvous by the sender's write: expose_recv / write_raw below (a
   // receiver sends CTS naming its buffer; the sender writes the payload).
   bool rndv_write = false;
+  // A peer's release waits for this transport's acknowledge() (revocation
+  // notices): the context answers them while it waits in a collective.
+  bool acknowledges = false;
 };
 
 // ---- active messages: the protocol's headers (64 bytes, then payload) ----
@@ -190,8 +193,9 @@ class Transport {
   virtual void progress() {}
   // What peers wait on us for that needs no protocol step (verbs: answering
   // a revocation notice): called by progress and by waits that make none
-  // (barriers, the bootstrap).
-  virtual void acknowledge() {}
+  // (barriers, the bootstrap). Returns whether it found a notice to answer.
+  // Only transports whose caps() say `acknowledges` do anything here.
+  virtual bool acknowledge() { return false; }
   // How long an operation already handed to this transport can go on
   // before the transport itself reports it failed (verbs: the queue pair's
   // ACK timeout times its retries); part of the cancel bound.

@@ -297,6 +297,7 @@ Status Bootstrap::run(Collective kind, const std::string& mine, std::vector<std:
   if (_size == 1) {
     all->assign(1, mine);
   } else {
+    _idle_slice_ms = kIdleSliceMs;
     Status st = exchange(_seq, kind, mine, all, dl);
     if (!st) {
       _failed = st;
@@ -540,7 +541,7 @@ Status TcpBootstrap::allgather_root(uint32_t seq, const std::string& mine, std::
         pfds.push_back({_peers[static_cast<size_t>(r)].get(), POLLIN, 0});
         who.push_back(r);
       }
-    const int wait_ms = has_idle() ? std::min(rdl.remaining_ms(), kIdleSliceMs) : rdl.remaining_ms();
+    const int wait_ms = has_idle() ? std::min(rdl.remaining_ms(), idle_slice_ms()) : rdl.remaining_ms();
     int n = ::poll(pfds.data(), pfds.size(), wait_ms);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return Status::from_errno(errno, "bootstrap poll");
@@ -592,7 +593,7 @@ Status TcpBootstrap::allgather_leaf(uint32_t seq, const std::string& mine, std::
   HCOMM_TRY(write_all(_peers[0].get(), frame(kContrib, seq, mine), dl, who));
   while (has_idle()) {  // until rank 0 answers (read_frame reports errors and the deadline)
     pollfd pf{_peers[0].get(), POLLIN, 0};
-    const int n = ::poll(&pf, 1, std::min(dl.remaining_ms(), kIdleSliceMs));
+    const int n = ::poll(&pf, 1, std::min(dl.remaining_ms(), idle_slice_ms()));
     if (n < 0 && errno == EINTR) continue;
     if (n != 0 || dl.expired()) break;
     idle();

@@ -25,6 +25,7 @@
 // Not thread-safe: one thread drives a Bootstrap.
 #pragma once
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <string>
@@ -116,9 +117,16 @@ class Bootstrap {
   Status allgather(const std::string& mine, std::vector<std::string>* all, const Deadline& deadline);
   // Returns once every rank has entered it.
   Status barrier(const Deadline& deadline);
-  // Called every few milliseconds while a collective waits for other ranks
-  // (the context answers what peers wait for: verbs' revocation notices).
-  void on_idle(std::function<void()> f) { _idle = std::move(f); }
+  // Called between slices of a collective's wait for other ranks (the
+  // context answers what peers wait for: verbs' revocation notices); it
+  // returns whether it found anything to do. The first slice is
+  // kIdleSliceMs long, each idle one after it twice the last, up to
+  // kIdleSliceMaxMs: a rank waiting long in a barrier (a passive target)
+  // wakes a few dozen times a second, not 500 (each wake is a vCPU taken
+  // out of halt in a QEMU guest: 5-7 % on a waiting target's 8-byte get
+  // and fetch_add over rxe), and a peer's release is answered within
+  // kIdleSliceMaxMs.
+  void on_idle(std::function<bool()> f) { _idle = std::move(f); }
 
  protected:
   // What a collective is, for implementations that can check it (the store).
@@ -135,13 +143,15 @@ class Bootstrap {
   virtual void broken(const Status& why) noexcept { (void)why; }
   // The number the next collective will carry.
   uint32_t seq() const noexcept { return _seq; }
-  // Implementations call it between slices of their waits (kIdleSliceMs
-  // long when a hook is set).
+  // Implementations call it between slices of their waits, each slice
+  // idle_slice_ms() long when a hook is set.
   void idle() {
-    if (_idle) _idle();
+    if (_idle) _idle_slice_ms = _idle() ? kIdleSliceMs : std::min(2 * _idle_slice_ms, kIdleSliceMaxMs);
   }
   bool has_idle() const noexcept { return static_cast<bool>(_idle); }
+  int idle_slice_ms() const noexcept { return _idle_slice_ms; }
   static constexpr int kIdleSliceMs = 2;
+  static constexpr int kIdleSliceMaxMs = 32;
 
  private:
   Status run(Collective kind, const std::string& mine, std::vector<std::string>* all, const Deadline& deadline);
@@ -151,7 +161,8 @@ class Bootstrap {
   std::string _job_id;
   uint32_t _seq = 0;  // collectives completed so far; identical on every rank
   Status _failed;     // first failure; once set, every call returns it
-  std::function<void()> _idle;
+  std::function<bool()> _idle;
+  int _idle_slice_ms = kIdleSliceMs;  // the next slice of a wait (idle())
 };
 
 }  // namespace hcomm::api

@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -186,6 +187,35 @@ TEST_P(BootstrapN, AllgatherAndBarrierOverTcp) {
   std::string job = unique_job("tcp");
   expect_all_ok(run_ranks(all_ranks(n), [&](int r) { return allgather_rounds(tcp_launch(r, n, port, job)); }),
                 static_cast<size_t>(n));
+}
+
+// A rank waiting long in a barrier wakes for the idle hook on a doubling
+// schedule (2, 4, ... 32 ms: Bootstrap::on_idle), not every 2 ms: over a
+// wait of T ms the hook runs at most 5 + (T - 62) / 32 times, on the root
+// (rank 0) and on a leaf alike. Poll timeouts only end late, so a loaded
+// machine can make fewer calls, never more.
+TEST(BootstrapIdle, LongWaitWakesOnADoublingSchedule) {
+  const int port = free_port();
+  std::string job = unique_job("idle");
+  auto res = run_ranks(all_ranks(3), [&](int r) -> std::string {
+    std::unique_ptr<Bootstrap> b;
+    Status st = Bootstrap::create(tcp_launch(r, 3, port, job), 20000, &b);
+    if (!st) return "create: " + st.to_string();
+    int calls = 0;
+    b->on_idle([&] { return ++calls, false; });
+    if (r == 1) std::this_thread::sleep_for(Ms(400));
+    const auto t0 = Clock::now();
+    st = b->barrier(Deadline::after_ms(20000));
+    const long waited = since(t0);
+    if (!st) return "barrier: " + st.to_string();
+    if (r == 1) return "ok";
+    const long bound = 5 + std::max(0L, waited - 62) / 32;
+    if (calls < 1 || calls > bound)
+      return std::to_string(calls) + " idle calls in a wait of " +
+             std::to_string(waited) + " ms (expected 1.." + std::to_string(bound) + ")";
+    return "ok";
+  });
+  expect_all_ok(res, 3);
 }
 
 // mpirun without MASTER_ADDR: the port travels through a file under /tmp.

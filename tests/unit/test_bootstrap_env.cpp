@@ -211,6 +211,55 @@ TEST(BootstrapArgs, SingleRankNeedsNoNetwork) {
 }
 
 
+// ---- the idle hook's schedule (what a collective's wait wakes for) ----
+
+// A bootstrap whose every collective "waits" through `slices` idle slices and
+// records how long each would be.
+class SliceRecorder : public Bootstrap {
+ public:
+  SliceRecorder() : Bootstrap(0, 2, "slices") {}
+  int slices = 0;
+  std::vector<int> seen;
+
+ protected:
+  Status exchange(uint32_t, Collective, const std::string& mine, std::vector<std::string>* all,
+                  const Deadline&) override {
+    for (int i = 0; i < slices; ++i) {
+      seen.push_back(idle_slice_ms());
+      idle();
+    }
+    all->assign(2, mine);
+    return Status::ok();
+  }
+};
+
+TEST(BootstrapIdle, SlicesDoubleWhileIdleShrinkOnWorkAndRestartEachCollective) {
+  SliceRecorder b;
+  int calls = 0;
+  std::vector<bool> work;  // what the hook answers, call by call
+  b.on_idle([&] { return calls < static_cast<int>(work.size()) && work[static_cast<size_t>(calls++)]; });
+  b.slices = 8;
+  work.assign(8, false);
+  ASSERT_TRUE(b.barrier(Deadline::after_ms(1000)));
+  EXPECT_EQ(b.seen, (std::vector<int>{2, 4, 8, 16, 32, 32, 32, 32}));
+  EXPECT_EQ(calls, 8);
+  // A notice answered (the hook found work): the next slice is short again.
+  b.seen.clear();
+  calls = 0;
+  work = {false, false, false, true, false, false};
+  b.slices = 6;
+  ASSERT_TRUE(b.barrier(Deadline::after_ms(1000)));
+  EXPECT_EQ(b.seen, (std::vector<int>{2, 4, 8, 16, 2, 4}));
+  // A new collective starts short, whatever the last one ended at.
+  b.seen.clear();
+  calls = 0;
+  work.assign(1, false);
+  b.slices = 1;
+  ASSERT_TRUE(b.barrier(Deadline::after_ms(1000)));
+  EXPECT_EQ(b.seen, (std::vector<int>{2}));
+}
+
+
 // ---- host identity and the mesh's listen address ----
 
 class HostEnv : public DetectLaunch {

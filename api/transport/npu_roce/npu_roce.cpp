@@ -124,6 +124,7 @@ Status NpuRoceTransport::setup(const NpuRoceConfig& cfg, const std::vector<bool>
   _caps.max_zcopy = 0;
   _caps.put = _caps.get = _caps.atomic64 = _caps.reduce = _caps.notify = true;
   _caps.remote_hosts = true;
+  _caps.acknowledges = true;
   _caps.sync = false;
   _caps.rndv_write = true;
   return Status::ok();
@@ -425,14 +426,16 @@ RevocationMailbox NpuRoceTransport::mb() const {
 // "Keys"): a READ whose response was lost is asked again, and a duplicate
 // READ after the key is gone would be refused, so the answer waits for our
 // READs' responses.
-void NpuRoceTransport::acknowledge() {
-  if (!_lost.is_ok()) return;
+bool NpuRoceTransport::acknowledge() {
+  if (!_lost.is_ok()) return false;
+  bool found = false;
   for (int r = 0; r < _size; ++r) {
     RPeer& p = _peers[static_cast<size_t>(r)];
     const uint32_t n = mb().load(mb().notice_word(r));
     if (n == p.notice_acked || !p.up || r == _rank) continue;
+    found = true;
     const int s = take_scratch(Deadline::after_ms(5000));
-    if (s < 0) return;
+    if (s < 0) return found;
     std::atomic_ref<uint64_t>(reinterpret_cast<uint64_t*>(_scratch.data())[s]).store(n, std::memory_order_release);
     Op op;
     op.scratch = s;  // held until the WRITE completes
@@ -445,6 +448,7 @@ void NpuRoceTransport::acknowledge() {
       _scratch_free.push_back(s);
     }
   }
+  return found;
 }
 
 Status NpuRoceTransport::sync_wait(int peer, uint64_t id, const Deadline& dl, const char* what) {

@@ -107,7 +107,7 @@ class NpuRoceTransport final : public Transport {
   uint64_t progress_mark(int peer) override;
   void check_health() override;
   void peer_failed(int peer, const std::string& why) override;
-  void acknowledge() override;
+  bool acknowledge() override;
 
   // "10.0.1.1 02:48:43:00:01:00 mtu 4096"
   std::string describe() const;

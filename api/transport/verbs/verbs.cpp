@@ -237,6 +237,7 @@ Status VerbsTransport::setup(const VerbsConfig& cfg) {
   _caps.remote_hosts = true;
   _caps.sync = false;
   _caps.rndv_write = true;
+  _caps.acknowledges = true;
   return Status::ok();
 }
 
@@ -656,11 +657,13 @@ void VerbsTransport::progress() {
   acknowledge();
 }
 
-void VerbsTransport::acknowledge() {
+bool VerbsTransport::acknowledge() {
+  bool found = false;
   for (int r = 0; r < _size; ++r) {
     VPeer& p = _peers[static_cast<size_t>(r)];
     const uint32_t n = mb().load(mb().notice_word(r));
     if (n == p.notice_acked || !p.up || r == _rank) continue;
+    found = true;
     // Behind everything we posted to r before we saw the notice; everything
     // after it checks the mailbox, which the notice's owner wrote first.
     ibv_sge sge{reinterpret_cast<uint64_t>(&n), 4, 0};
@@ -683,6 +686,7 @@ void VerbsTransport::acknowledge() {
         p.notice_acked = n;
     }
   }
+  return found;
 }
 
 RevocationMailbox VerbsTransport::mb() const {

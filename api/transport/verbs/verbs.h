@@ -129,7 +129,7 @@ class VerbsTransport final : public Transport {
   }
   void peer_failed(int peer, const std::string& why) override;
   // Answers revocation notices (see "Keys" above).
-  void acknowledge() override;
+  bool acknowledge() override;
 
   const std::string& device_name() const { return _dev_name; }
   // Soft-RoCE / soft-iWARP: the "NIC" is kernel code running on our CPUs.
