@@ -13,6 +13,10 @@
 #       iterations, as perftest and UCX report), so that each round's ratios pair tools
 #       measured seconds apart; the table gives every round's ratio and their median
 #       (HCOMM_LAT_ENV="VAR=VALUE ..." is set for hcomm's rounds only, e.g. to try a knob).
+#       HCOMM_LAT_BASE=FILE: an hcomm-bench built from another commit, linked statically
+#       (meson setup B --buildtype=release -Ddefault_library=static; ninja -C B tools/hcomm-bench),
+#       also runs the four ops in every round, before hcomm's in odd rounds and after it in
+#       even ones; the table adds this build's time over the base's, paired by round.
 #       get and fetch_add run twice per round: hcomm's target waiting in a barrier
 #       (it naps, as perftest's server sleeps: the row against perftest) and polling
 #       its memory (--passive spin, as ucx_perftest's target does: the row against UCX)
@@ -45,6 +49,14 @@ for t in hcomm-bench hcomm-probe; do
 done
 out=$build/compare-rdma
 mkdir -p "$out"
+base=""
+if [ -n "${HCOMM_LAT_BASE:-}" ]; then
+  [ "$rounds" -gt 0 ] || { echo "compare_rdma: HCOMM_LAT_BASE needs lat N" >&2; exit 2; }
+  [ -x "$HCOMM_LAT_BASE" ] || { echo "compare_rdma: HCOMM_LAT_BASE: $HCOMM_LAT_BASE is not an executable" >&2; exit 2; }
+  ! ldd "$HCOMM_LAT_BASE" | grep -q libhcomm || { echo "compare_rdma: HCOMM_LAT_BASE must link libhcomm statically" >&2; exit 2; }
+  base=$out/hcomm-bench-base
+  cp "$HCOMM_LAT_BASE" "$base"
+fi
 cmds=$out/compare.cmds
 
 # ---- the command list (tests/qemu/run-rdma.sh's format; the perftest and UCX
@@ -70,8 +82,8 @@ hcomm() {
   local name=$1 t=$2 env
   shift 2
   env="${HENV:-}${HENV:+ }HCOMM_TRANSPORTS=verbs WORLD_SIZE=2 MASTER_PORT=$mport"
-  echo "server $name $t $nice $env RANK=1 MASTER_ADDR=\$HCOMM_PEER hcomm-bench $*"
-  echo "client $name $t $nice $env RANK=0 MASTER_ADDR=\$HCOMM_IP hcomm-bench $* --json -o /tmp/$name.json && sed 's/^/HCOMM-BENCH $name /' /tmp/$name.json"
+  echo "server $name $t $nice $env RANK=1 MASTER_ADDR=\$HCOMM_PEER ${BENCH:-hcomm-bench} $*"
+  echo "client $name $t $nice $env RANK=0 MASTER_ADDR=\$HCOMM_IP ${BENCH:-hcomm-bench} $* --json -o /tmp/$name.json && sed 's/^/HCOMM-BENCH $name /' /tmp/$name.json"
   mport=$((mport + 1))
 }
 if [ "$rounds" -gt 0 ]; then
@@ -79,7 +91,10 @@ if [ "$rounds" -gt 0 ]; then
     echo "all probe 30 hcomm-probe rdma && hcomm-probe --json rdma"
     echo "client ping 60 ping -c 1 -w 60 \$HCOMM_PEER"
     for k in $(seq 1 "$rounds"); do
-      HENV="${HCOMM_LAT_ENV:-}" hcomm "hcomm_lat_r$k" 400 -t put,put_nbi,get,fetch_add -m lat -s 8 -n 1000 --warmup 50 --batch 1
+      lat="-t put,put_nbi,get,fetch_add -m lat -s 8 -n 1000 --warmup 50 --batch 1"
+      if [ -n "$base" ] && [ $((k % 2)) = 1 ]; then BENCH=hcomm-bench-base hcomm "hbase_lat_r$k" 400 $lat; fi
+      HENV="${HCOMM_LAT_ENV:-}" hcomm "hcomm_lat_r$k" 400 $lat
+      if [ -n "$base" ] && [ $((k % 2)) = 0 ]; then BENCH=hcomm-bench-base hcomm "hbase_lat_r$k" 400 $lat; fi
       HENV="${HCOMM_LAT_ENV:-}" hcomm "hcomm_lats_r$k" 400 -t get,fetch_add -m lat -s 8 -n 1000 --warmup 50 --batch 1 --passive spin
       peer "write_lat_r$k" 200 ib_write_lat -s 8 -n 1000
       peer "read_lat_r$k" 200 ib_read_lat -s 8 -n 1000
@@ -126,7 +141,7 @@ echo "compare_rdma: host load before: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$
 t0=$(date +%s)
 rc=0
 HCOMM_RDMA_MEM=${HCOMM_RDMA_MEM:-1024M} HCOMM_RDMA_TIMEOUT=${HCOMM_RDMA_TIMEOUT:-1500} HCOMM_RDMA_CMDS="$cmds" \
-  HCOMM_RDMA_FILES="$build/tools/hcomm-bench $build/tools/hcomm-probe" \
+  HCOMM_RDMA_FILES="$build/tools/hcomm-bench $build/tools/hcomm-probe $base" \
   bash "$root/tests/qemu/run-rdma.sh" "$build" pair > "$out/console.txt" 2>&1 || rc=$?
 echo "compare_rdma: run-rdma pair exit $rc after $(( $(date +%s) - t0 ))s; host load after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/load.txt"
 grep -E '^(FAIL|ok):' "$out/console.txt" | grep -v '^ok' || true
@@ -190,6 +205,17 @@ print()
 print("hcomm p50, perftest t_typical, UCX typical (put: half a ping-pong; get, fetch_add: one operation). "
       "Goals: hcomm/perftest <= 1.1, hcomm/UCX <= 1.0 (median of the rounds' paired ratios), each against the "
       "tool whose target does what hcomm's does (perftest's sleeps, ucx_perftest's polls).")
+if any(k.startswith("hbase_lat_r") for k in bench):
+    print()
+    print("This build against HCOMM_LAT_BASE, paired by round (target waits in both):")
+    print()
+    print("| op | this build / base, rounds | median | rounds this build was faster |")
+    print("|---|---|---:|---:|")
+    for t in ("put", "put_nbi", "get", "fetch_add"):
+        r = [ratio(hc(k, t), hc(k, t, "hbase_lat")) for k in range(1, rounds + 1)]
+        r = [x for x in r if x is not None]
+        print("| %s | %s | %s | %d of %d |" % (t, " / ".join(num(x) for x in r), num(med(r)), sum(x < 1 for x in r),
+                                              len(r)))
 EOF
 exit $rc
 fi
