@@ -143,8 +143,9 @@ class Bootstrap {
   virtual void broken(const Status& why) noexcept { (void)why; }
   // The number the next collective will carry.
   uint32_t seq() const noexcept { return _seq; }
-  // Implementations call it between slices of their waits, each slice
-  // idle_slice_ms() long when a hook is set.
+  // Implementations call it between slices of their waits: the TCP
+  // rendezvous's slices are idle_slice_ms() long when a hook is set; the
+  // store's are its abort poll's, 200 ms.
   void idle() {
     if (_idle) _idle_slice_ms = _idle() ? kIdleSliceMs : std::min(2 * _idle_slice_ms, kIdleSliceMaxMs);
   }
