@@ -44,12 +44,14 @@ class RevocationMailbox {
   }
 
   // Step 3 of a release: waits until every rank in `waiting` has
-  // acknowledged revocation number n, or is down (up(r) false), or dl
-  // passes; step() runs between looks (answer the peers' own notices, reap
-  // completions). Spins 2 ms (a peer inside hcomm answers within a round
-  // trip), then naps: on a software NIC the peer's answer needs these CPUs.
+  // acknowledged revocation number n, or is down (up(r) false), or
+  // ack_wait(stall) passes; step() runs between looks (answer the peers' own
+  // notices, reap completions). Spins 2 ms (a peer inside hcomm answers
+  // within a round trip), then naps: on a software NIC the peer's answer
+  // needs these CPUs.
   template <class Step, class Up>
-  void await_acks(std::vector<int> waiting, uint32_t n, const Deadline& dl, Step step, Up up) const {
+  void await_acks(std::vector<int> waiting, uint32_t n, std::chrono::milliseconds stall, Step step, Up up) const {
+    const Deadline dl(ack_wait(stall));
     const Clock::time_point start = Clock::now();
     while (!waiting.empty() && !dl.expired()) {
       step();

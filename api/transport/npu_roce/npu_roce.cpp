@@ -551,7 +551,7 @@ void NpuRoceTransport::mem_remove(hcomm_mem& m) {
     for (auto [r, nid] : notes)
       if (sync_wait(r, nid, Deadline::after_ms(5000), "revocation notice")) waiting.push_back(r);
     mb().await_acks(
-        waiting, n, Deadline(RevocationMailbox::ack_wait(stall_bound())),
+        waiting, n, stall_bound(),
         [&] {
           for (int r : waiting) poll(r);
           _ctx.acknowledge_all();  // a peer releasing memory at the same time waits for us

@@ -814,7 +814,7 @@ void VerbsTransport::await_acks(const std::vector<int>& told) {
   // The mailbox writes are placed: now the notice, then its acknowledgement.
   const uint32_t n = ++_revocations;
   mb().await_acks(
-      write_peers(told, kNoticeWord, n, mb().notice_word(_rank), "revocation notice"), n, Deadline(RevocationMailbox::ack_wait(stall_bound())),
+      write_peers(told, kNoticeWord, n, mb().notice_word(_rank), "revocation notice"), n, stall_bound(),
       [this] {
         poll_send();
         _ctx.acknowledge_all();  // a peer releasing memory at the same time waits for us

@@ -49,9 +49,9 @@
 //     before the revocation has run at our NIC, and none after it will be
 //     posted;
 //  4. deregister. A peer that does not acknowledge within
-//     RevocationMailbox::ack_wait (it
-//     makes no hcomm call) is not waited for longer: what it posted before
-//     has had the queue pair's retry bound to run.
+//     RevocationMailbox::ack_wait (it makes no hcomm call) is not waited for
+//     longer: what it posted before has had the queue pair's retry bound to
+//     run.
 #pragma once
 
 #include <infiniband/verbs.h>
