@@ -403,7 +403,11 @@ bool NetPort::service(uint64_t now) {
     Slot& s = *sp;
     const uint32_t sq_n = 1u << s.c.sq_log2, rq_n = 1u << s.c.rq_log2;
     const uint32_t rq_tail = std::atomic_ref<uint32_t>(s.sh->rq_tail).load(std::memory_order_acquire);
-    while (s.rq_head != rq_tail && rq_tail - s.rq_head <= rq_n) {
+    // An entry is taken only while the engine holds fewer than a ring's
+    // worth: its slot of rq_wrid / sq_wrid then belongs to no request the
+    // engine still holds (the driver, seeing the head move, reuses the
+    // ring entry at once).
+    while (s.rq_head != rq_tail && rq_tail - s.rq_head <= rq_n && _eng->held(s.qpn, false) < rq_n) {
       rdma::RecvWqe w;
       std::memcpy(&w, s.rq + (s.rq_head & (rq_n - 1)) * sizeof w, sizeof w);
       s.rq_wrid[s.rq_head & (rq_n - 1)] = w.wr_id;
@@ -413,7 +417,7 @@ bool NetPort::service(uint64_t now) {
       moved = true;
     }
     const uint32_t sq_tail = std::atomic_ref<uint32_t>(s.sh->sq_tail).load(std::memory_order_acquire);
-    while (s.sq_head != sq_tail && sq_tail - s.sq_head <= sq_n) {
+    while (s.sq_head != sq_tail && sq_tail - s.sq_head <= sq_n && _eng->held(s.qpn, true) < sq_n) {
       rdma::SendWqe w;
       std::memcpy(&w, s.sq + (s.sq_head & (sq_n - 1)) * sizeof w, sizeof w);
       s.sq_wrid[s.sq_head & (sq_n - 1)] = w.wr_id;

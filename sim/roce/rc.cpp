@@ -183,6 +183,12 @@ rdma::QpState Engine::qp_state(uint32_t qpn) const {
   return q == nullptr ? rdma::QpState::RESET : q->state;
 }
 
+size_t Engine::held(uint32_t qpn, bool send) const {
+  const Qp* q = find(qpn);
+  if (q == nullptr) return 0;
+  return send ? q->sq.size() : q->rq.size() + (q->in_has_rwqe ? 1 : 0);
+}
+
 Status Engine::modify_qp(uint32_t qpn, const rdma::QpAttr& a) {
   Qp* q = find(qpn);
   if (q == nullptr) return Status::error(Code::not_found, "QP %u does not exist", qpn);

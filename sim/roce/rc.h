@@ -126,6 +126,9 @@ class Engine {
   // completes them with WR_FLUSH_ERR.
   Status post_send(uint32_t qpn, const rdma::SendWqe& w);
   Status post_recv(uint32_t qpn, const rdma::RecvWqe& w);
+  // Work requests the QP holds, posted and not yet completed (send) or not
+  // yet consumed (receive, the one being filled included).
+  size_t held(uint32_t qpn, bool send) const;
 
   // A frame from the wire.
   void rx(const uint8_t* frame, size_t len, uint64_t now_ns);

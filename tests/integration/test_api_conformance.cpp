@@ -984,6 +984,21 @@ TEST_P(Api, ImplicitPutGetCompleteAtFlush) {
     for (size_t c = 0; c < kChunks; ++c) RCHECK_OK(hcomm_get_nbi(ctx, lp + c * kChunk, kChunk, keys[right], c * kChunk));
     RCHECK_OK(hcomm_flush(ctx, -1, T));
     for (size_t i = 0; i < kChunk * kChunks; ++i) RCHECK(lp[i] == pattern(me, 77, i)) << "get_nbi byte " << i;
+    // More small ones than a send queue holds (verbs: 255 entries, most of
+    // them unsignalled, retired by the few that are), then one flush.
+    constexpr size_t kSmall = 8, kMany = 700;
+    static_assert(kSmall * kMany <= kChunk * kChunks);
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    for (size_t i = 0; i < kSmall * kMany; ++i) lp[i] = pattern(me, 91, i);
+    for (size_t j = 0; j < kMany; ++j) RCHECK_OK(hcomm_put_nbi(ctx, lp + j * kSmall, kSmall, keys[right], j * kSmall));
+    RCHECK_OK(hcomm_flush(ctx, -1, T));
+    RCHECK_OK(hcomm_barrier(ctx, T));
+    for (size_t i = 0; i < kSmall * kMany; ++i) RCHECK(wp[i] == pattern(left, 91, i)) << "small put_nbi byte " << i;
+    std::memset(lp, 0, kSmall * kMany);
+    for (size_t j = 0; j < kMany; ++j) RCHECK_OK(hcomm_get_nbi(ctx, lp + j * kSmall, kSmall, keys[right], j * kSmall));
+    RCHECK_OK(hcomm_flush(ctx, right, T));
+    for (size_t i = 0; i < kSmall * kMany; ++i) RCHECK(lp[i] == pattern(me, 91, i)) << "small get_nbi byte " << i;
+    RCHECK_OK(hcomm_barrier(ctx, T));
     RCHECK_EQ_STATUS(hcomm_put_nbi(ctx, lp, 16, keys[right], kChunk * kChunks - 8), HCOMM_ERR_OUT_OF_RANGE);
     RCHECK_EQ_STATUS(hcomm_get_nbi(ctx, lp, 8, nullptr, 0), HCOMM_ERR_INVALID);
     RCHECK_OK(hcomm_flush(ctx, right, T));
@@ -1656,13 +1671,21 @@ TEST_P(Api, SilentPeerUnderRdmaIsPeerFailureWithinTheQueuePairBound) {
         auto* src = static_cast<uint8_t*>(hcomm_mem_ptr(w));
         std::memset(src, 7, 64);
         // Put until a put fails: the ones before the silence succeed.
+        // HCOMM_TEST_SILENT_NBI: hcomm_put_nbi then hcomm_flush (the WRITE
+        // has no request; its error completion reaches the flush).
+        const bool nbi = std::getenv("HCOMM_TEST_SILENT_NBI") != nullptr;
         const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
         hcomm_status_t st = HCOMM_OK;
         long long ms = 0;
         int puts = 0;
         while (st == HCOMM_OK && std::chrono::steady_clock::now() < give_up) {
           auto t0 = std::chrono::steady_clock::now();
-          st = hcomm_put(ctx, src, 64, keys[1], 0, 60000);
+          if (nbi) {
+            st = hcomm_put_nbi(ctx, src, 64, keys[1], 0);
+            if (st == HCOMM_OK) st = hcomm_flush(ctx, 1, 60000);
+          } else {
+            st = hcomm_put(ctx, src, 64, keys[1], 0, 60000);
+          }
           ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
           ++puts;
           if (st == HCOMM_OK) std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -1673,6 +1696,9 @@ TEST_P(Api, SilentPeerUnderRdmaIsPeerFailureWithinTheQueuePairBound) {
         RCHECK_EQ_STATUS(st, HCOMM_ERR_PEER_FAILURE);
         RCHECK(puts > 1) << "the first put failed: the peer was not silent yet";
         RCHECK(why.find("retry") != std::string::npos) << "not the queue pair's retries: " << why;
+        if (nbi) {
+          RCHECK(why.find("implicit") != std::string::npos) << "not the put_nbi's own failure: " << why;
+        }
         RCHECK(ms < bound_ms + slack_ms) << "noticed only after " << ms << " ms";
         ::_exit(0);  // finalize's barrier would wait for the silent rank
       },
