@@ -203,6 +203,7 @@ Context::RmaArgs atomic_args(hcomm::api::Rma op, hcomm_rkey_t* rkey, uint64_t of
   if (ctx.rma_sync(a) && !ctx.fence_pending()) return rma_unlocked(ctx, a);
   std::unique_lock lock(ctx.mu());
   std::shared_ptr<Request> r;
+  a.implicit = true;
   Status st = ctx.rma(a, &r);
   if (!st || r == nullptr) return ret(st);  // failed, or complete on return
   return run_blocking(ctx, st, r, timeout_ms);
@@ -236,6 +237,7 @@ hcomm_status_t rma_nbi(hcomm_context_t* c, Context::RmaArgs& a) {
   if (ctx.rma_sync(a) && !ctx.fence_pending()) return rma_unlocked(ctx, a);
   std::unique_lock lock(ctx.mu());
   std::shared_ptr<Request> r;
+  a.implicit = true;
   Status st = ctx.rma(a, &r);
   if (!st) return ret(st);
   if (r != nullptr) ctx.keep_implicit(std::move(r));

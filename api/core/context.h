@@ -284,6 +284,7 @@ class Context final : public AmSink {
   // AmSink
   void on_am(int peer, const MsgHdr& h, const uint8_t* payload) override;
   void on_peer_failed(int peer, const std::string& why) override { peer_failed(_peers[peer], why); }
+  void on_implicit_failed(int peer, hcomm_status_t st, const std::string& why) override;
 
   // The cancel rule (docs/api.md): withdraws r (it completes with
   // HCOMM_ERR_CANCELLED and no peer ever sees it), or waits until it

@@ -115,11 +115,6 @@ Status Context::rma(RmaArgs& a, std::shared_ptr<Request>* out) {
     if (out != nullptr) out->reset();  // complete on return: no request
     return rma_run_marked(a, lane, nlane);
   }
-  auto r = new_request();
-  r->kind = Request::Kind::rma;
-  r->peer = a.rkey->peer;
-  r->id = _next_id++;
-  if (out != nullptr) *out = r;
   // hcomm_fence orders across peers: the NPU's one queue serves every peer,
   // so its FENCE flag is context-wide; any other asynchronous lane (verbs:
   // IBV_SEND_FENCE orders one queue pair only) first completes everything
@@ -127,6 +122,17 @@ Status Context::rma(RmaArgs& a, std::shared_ptr<Request>* out) {
   const bool fence = _fence_next.exchange(false, std::memory_order_acq_rel);
   if (fence && lane->id() != TransportId::npu) HCOMM_TRY(complete_all(Deadline::after_ms(30000)));
   a.fence = fence;
+  if (a.implicit && lane->caps().implicit && (a.op == Rma::put || a.op == Rma::get) && a.notify_rkey == nullptr) {
+    // No request: the lane reports a failure (on_implicit_failed) and its
+    // flush waits for these.
+    if (out != nullptr) out->reset();
+    return lane->rma(a, nullptr);
+  }
+  auto r = new_request();
+  r->kind = Request::Kind::rma;
+  r->peer = a.rkey->peer;
+  r->id = _next_id++;
+  if (out != nullptr) *out = r;
   return lane->rma(a, r);
 }
 
@@ -143,6 +149,17 @@ Status Context::flush(int peer, const Deadline& dl) {
 Status Context::complete_all(const Deadline& dl) {
   for (auto& t : _transports) HCOMM_TRY(t->flush(-1, dl));
   return reap_implicit(-1, dl, false);
+}
+
+// A lane's implicit operation failed: kept as a failed request, so the
+// next flush covering the peer reports it like any other.
+void Context::on_implicit_failed(int peer, hcomm_status_t st, const std::string& why) {
+  auto r = new_request();
+  r->kind = Request::Kind::rma;
+  r->peer = peer;
+  r->id = _next_id++;
+  r->complete(st, why);
+  keep_implicit(std::move(r));
 }
 
 void Context::keep_implicit(std::shared_ptr<Request> r) {

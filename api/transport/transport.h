@@ -60,6 +60,11 @@ struct Caps {
   // A peer's release waits for this transport's acknowledge() (revocation
   // notices): the context answers them while it waits in a collective.
   bool acknowledges = false;
+  // rma() takes put and get without a request (RmaOp::implicit, the _nbi
+  // calls): a failure reaches the context through
+  // AmSink::on_implicit_failed, and flush(peer) returns only once they
+  // completed.
+  bool implicit = false;
 };
 
 // ---- active messages: the protocol's headers (64 bytes, then payload) ----
@@ -95,6 +100,9 @@ class AmSink {
   // form by the transport; payload valid only during the call).
   virtual void on_am(int peer, const MsgHdr& h, const uint8_t* payload) = 0;
   virtual void on_peer_failed(int peer, const std::string& why) = 0;
+  // An implicit operation (RmaOp::implicit) to `peer` failed or will not
+  // complete: the next flush covering the peer reports it.
+  virtual void on_implicit_failed(int peer, hcomm_status_t st, const std::string& why) = 0;
 };
 
 // One remote-memory operation on an already-checked key.
@@ -120,6 +128,10 @@ struct RmaOp {
   uint64_t notify_off = 0;
   uint64_t notify_value = 0;
   bool fence = false;  // start after every earlier operation of this lane completed
+  // _nbi: the caller keeps no request. A lane with Caps::implicit then runs
+  // a put or get with none (rma(op, nullptr)); the context passes one
+  // otherwise.
+  bool implicit = false;
 };
 
 class Transport {
@@ -149,8 +161,9 @@ class Transport {
   virtual Status validate(const hcomm_rkey& /*k*/) const { return Status::ok(); }
 
   // ---- one-sided ----
-  // r == nullptr only when caps().sync: the call completes the operation.
-  // Otherwise the transport completes r later, from progress().
+  // r == nullptr when caps().sync (the call completes the operation) or for
+  // an implicit put or get on a lane with caps().implicit. Otherwise the
+  // transport completes r later, from progress().
   virtual Status rma(const RmaOp& op, const std::shared_ptr<Request>& r) = 0;
   // Waits until every operation of this lane (to `peer`, or all: -1)
   // completed at its target.

@@ -238,6 +238,7 @@ Status VerbsTransport::setup(const VerbsConfig& cfg) {
   _caps.sync = false;
   _caps.rndv_write = true;
   _caps.acknowledges = true;
+  _caps.implicit = true;
   return Status::ok();
 }
 
@@ -474,6 +475,7 @@ Status VerbsTransport::post(int peer, ibv_send_wr& wr, Op op, bool signalled) {
     slot.live = true;
     if (!slot.sync) ++p.async_ops;
     p.unsignaled = 0;
+    p.signalled_end = p.sq_posted;
   } else {
     ++p.unsignaled;
   }
@@ -483,6 +485,8 @@ Status VerbsTransport::post(int peer, ibv_send_wr& wr, Op op, bool signalled) {
 Status VerbsTransport::post_rdma(int peer, ibv_wr_opcode opc, void* local, uint32_t lkey, uint64_t raddr, uint32_t rkey,
                                  size_t len, const std::shared_ptr<Request>& r, ibv_mr* own_mr) {
   auto* l = static_cast<uint8_t*>(local);
+  VPeer& p = _peers[static_cast<size_t>(peer)];
+  const bool implicit = r == nullptr;
   size_t off = 0;
   do {
     const size_t n = std::min<size_t>(len - off, _max_msg);
@@ -498,23 +502,48 @@ Status VerbsTransport::post_rdma(int peer, ibv_wr_opcode opc, void* local, uint3
     op.r = r;
     off += n;
     if (off == len) op.own_mr = own_mr;  // released with the last piece (completions come in order)
-    ++r->outstanding;
-    Status st = post(peer, wr, std::move(op), true);
+    // Implicit: signalled only to retire send-queue entries or to release
+    // a registration of its own.
+    const bool sig = !implicit || op.own_mr != nullptr || p.unsignaled + 1 >= kSignalEvery;
+    if (!implicit) ++r->outstanding;
+    Status st = post(peer, wr, std::move(op), sig);
     if (!st) {
-      --r->outstanding;
+      if (!implicit) --r->outstanding;
       if (off == len && own_mr != nullptr) ::ibv_dereg_mr(own_mr);
       return st;
     }
+    if (implicit) p.implicit_end = p.sq_posted;
   } while (off < len);
   return Status::ok();
+}
+
+void VerbsTransport::implicit_lost(int peer, uint64_t seq, hcomm_status_t st, const std::string& why) {
+  VPeer& p = _peers[static_cast<size_t>(peer)];
+  if (p.implicit_end <= seq) return;
+  p.implicit_end = 0;
+  _sink.on_implicit_failed(peer, st, why);
 }
 
 void VerbsTransport::complete_op(uint64_t id, const ibv_wc& wc) {
   const int peer = static_cast<int>(id >> 40);
   VPeer& p = _peers[static_cast<size_t>(peer)];
-  p.sq_retired = std::max<uint64_t>(p.sq_retired, (id & ((1ull << 40) - 1)) + 1);  // in order: every earlier one is done
+  const uint64_t seq = id & ((1ull << 40) - 1);
+  if (wc.status != IBV_WC_SUCCESS && p.up) {
+    // This request and every one behind it on the pair is lost: implicit
+    // ones among them have no request to fail.
+    implicit_lost(peer, seq, to_hcomm(code_of(wc.status)),
+                  std::string("verbs: ") + ::ibv_wc_status_str(wc.status) + " on the queue pair to rank " +
+                      std::to_string(peer));
+  }
+  p.sq_retired = std::max<uint64_t>(p.sq_retired, seq + 1);  // in order: every earlier one is done
   Op& slot = p.ops[id & (kSqDepth - 1)];
-  if (!slot.live) return;  // (its peer failed meanwhile: already completed)
+  if (!slot.live) {
+    // An unsignalled request that failed (the NIC reports those too), or
+    // one whose peer failed meanwhile (already completed).
+    if (wc.status != IBV_WC_SUCCESS && p.up)
+      _sink.on_peer_failed(peer, std::string("verbs queue pair failed: ") + ::ibv_wc_status_str(wc.status));
+    return;
+  }
   Op op = std::move(slot);
   slot = Op{};
   if (!op.sync) --p.async_ops;
@@ -874,6 +903,8 @@ Status VerbsTransport::lkey_of(const void* p, size_t len, uint32_t* lkey, ibv_mr
 // ---- one-sided --------------------------------------------------------------------------------
 
 Status VerbsTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& r) {
+  if (r == nullptr && ((a.op != Rma::put && a.op != Rma::get) || a.notify_rkey != nullptr))
+    return Status::error(Code::invalid_argument, "verbs: only put and get run without a request");
   hcomm_rkey& k = *a.rkey;
   const uint64_t raddr = k.h.addr + a.roff;
   // Checked again here, right before the post: no acknowledgement of a
@@ -888,7 +919,7 @@ Status VerbsTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& r) {
       HCOMM_TRY(lkey_of(a.local, a.len, &lkey, &own, a.local_mem));  // (found by the context's checks)
       if (a.op == Rma::get) return post_rdma(k.peer, IBV_WR_RDMA_READ, a.local, lkey, raddr, k.vrkey, a.len, r, own);
       HCOMM_TRY(post_rdma(k.peer, IBV_WR_RDMA_WRITE, a.local, lkey, raddr, k.vrkey, a.len, r, own));
-      if (a.notify_rkey != nullptr) {
+      if (a.notify_rkey != nullptr && r != nullptr) {
         // The word goes out when the last data WRITE completed (complete_op).
         VPeer& p = _peers[static_cast<size_t>(k.peer)];
         if (Op& op = p.ops[(p.sq_posted - 1) & (kSqDepth - 1)]; op.live) {
@@ -998,6 +1029,19 @@ Status VerbsTransport::accumulate(const RmaOp& a) {
 }
 
 Status VerbsTransport::flush(int peer, const Deadline& dl) {
+  // Implicit requests after the last signalled one: a signalled zero-byte
+  // WRITE behind them (into our mailbox there, a key every pair holds)
+  // completes only after they did.
+  for (int q = 0; q < _size; ++q) {
+    VPeer& p = _peers[static_cast<size_t>(q)];
+    if ((peer >= 0 && q != peer) || !p.up || p.implicit_end <= p.signalled_end || p.implicit_end <= p.sq_retired)
+      continue;
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_RDMA_WRITE;
+    wr.wr.rdma.remote_addr = p.mailbox_addr;
+    wr.wr.rdma.rkey = p.mailbox_rkey;
+    if (Status st = post(q, wr, Op{}, true); !st && p.up) return st;
+  }
   for (;;) {
     poll_send();
     bool busy = false;
@@ -1108,6 +1152,7 @@ Status VerbsTransport::write_raw(int peer, const Request& s, size_t len, uint64_
 void VerbsTransport::peer_failed(int peer, const std::string& why) {
   VPeer& p = _peers[static_cast<size_t>(peer)];
   if (!p.up) return;
+  implicit_lost(peer, p.sq_retired, HCOMM_ERR_PEER_FAILURE, why);
   p.up = false;
   // Stop the NIC touching anything for this pair before buffers are released.
   ibv_qp_attr a{};

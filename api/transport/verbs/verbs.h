@@ -22,7 +22,14 @@
 // buffer straight into the receive buffer (registered the same way), then
 // sends FIN.
 // One-sided: put = RDMA WRITE (inline when it fits), get = RDMA READ, both
-// split at the port's max message size; fetch_add / compare_swap = the NIC's
+// split at the port's max message size. Implicit (the _nbi calls,
+// Caps::implicit): no request and no completion of their own; one in
+// kSignalEvery posts is signalled to retire send-queue entries, flush posts a
+// signalled zero-byte WRITE behind any that trail (its completion, in queue
+// order, says they are placed), and the error completion the NIC gives an
+// unsignalled request that fails, or the pair's failure with some still
+// unretired, reaches the context (AmSink::on_implicit_failed) for the next
+// flush to report; fetch_add / compare_swap = the NIC's
 // 64-bit atomics; put_notify = the data WRITE, and only once it completed
 // (acknowledged: placed at the target) the WRITE of the notify word;
 // accumulate = under the owner's lock word (taken and released with NIC
@@ -169,6 +176,10 @@ class VerbsTransport final : public Transport {
     uint32_t async_ops = 0;       // live ops no synchronous wait owns (what flush waits for)
     uint64_t am_posted = 0, am_slot_seq[kSendRing] = {};  // AM ring: seq of the WR using each slot
     uint32_t unsignaled = 0;
+    // Implicit (request-less) WRITEs and READs: the sequence number after the
+    // last one (those below sq_retired are done), and the one after the last
+    // signalled request (a later completion covers every earlier request).
+    uint64_t implicit_end = 0, signalled_end = 0;
     uint32_t notice_acked = 0;    // the last revocation number of this peer's we acknowledged
     // the peer's table, locks and our mailbox there
     uint64_t table_addr = 0, locks_addr = 0, mailbox_addr = 0;
@@ -181,8 +192,12 @@ class VerbsTransport final : public Transport {
   Status bring_up(int peer, uint32_t qpn, const ibv_gid& gid, uint16_t lid, ibv_mtu mtu, uint32_t psn);
   std::string wire_blob() const;
   Status post(int peer, ibv_send_wr& wr, Op op, bool signalled);
+  // r == nullptr: implicit (see "Implicit" above).
   Status post_rdma(int peer, ibv_wr_opcode opc, void* local, uint32_t lkey, uint64_t raddr, uint32_t rkey, size_t len,
                    const std::shared_ptr<Request>& r, ibv_mr* own_mr);
+  // The implicit requests to `peer` from sequence number `seq` on will not
+  // complete: tells the context (once), for its next flush to report.
+  void implicit_lost(int peer, uint64_t seq, hcomm_status_t st, const std::string& why);
   bool send_credit(int peer);
   void poll_send();
   void poll_recv();
