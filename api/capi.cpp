@@ -203,7 +203,6 @@ Context::RmaArgs atomic_args(hcomm::api::Rma op, hcomm_rkey_t* rkey, uint64_t of
   if (ctx.rma_sync(a) && !ctx.fence_pending()) return rma_unlocked(ctx, a);
   std::unique_lock lock(ctx.mu());
   std::shared_ptr<Request> r;
-  a.implicit = true;
   Status st = ctx.rma(a, &r);
   if (!st || r == nullptr) return ret(st);  // failed, or complete on return
   return run_blocking(ctx, st, r, timeout_ms);
