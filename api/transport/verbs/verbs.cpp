@@ -502,9 +502,11 @@ Status VerbsTransport::post_rdma(int peer, ibv_wr_opcode opc, void* local, uint3
     op.r = r;
     off += n;
     if (off == len) op.own_mr = own_mr;  // released with the last piece (completions come in order)
-    // Implicit: signalled only to retire send-queue entries or to release
-    // a registration of its own.
-    const bool sig = !implicit || op.own_mr != nullptr || p.unsignaled + 1 >= kSignalEvery;
+    // Implicit: signalled only when no signalled request to this peer is in
+    // flight (so a flush right after one put_nbi finds it covered and posts
+    // nothing), to retire send-queue entries, or to release a registration
+    // of its own.
+    const bool sig = !implicit || op.own_mr != nullptr || p.async_ops == 0 || p.unsignaled + 1 >= kSignalEvery;
     if (!implicit) ++r->outstanding;
     Status st = post(peer, wr, std::move(op), sig);
     if (!st) {

@@ -23,8 +23,9 @@
 // sends FIN.
 // One-sided: put = RDMA WRITE (inline when it fits), get = RDMA READ, both
 // split at the port's max message size. Implicit (the _nbi calls,
-// Caps::implicit): no request and no completion of their own; one in
-// kSignalEvery posts is signalled to retire send-queue entries, flush posts a
+// Caps::implicit): no request and no completion of their own; one is
+// signalled when no signalled request to its peer is in flight, and one in
+// kSignalEvery posts to retire send-queue entries; flush posts a
 // signalled zero-byte WRITE behind any that trail (its completion, in queue
 // order, says they are placed), and the error completion the NIC gives an
 // unsignalled request that fails, or the pair's failure with some still
