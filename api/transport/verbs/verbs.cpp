@@ -1047,7 +1047,12 @@ Status VerbsTransport::flush(int peer, const Deadline& dl) {
   for (;;) {
     poll_send();
     bool busy = false;
-    for (int q = 0; q < _size; ++q) busy |= (peer < 0 || q == peer) && _peers[static_cast<size_t>(q)].async_ops > 0;
+    for (int q = 0; q < _size; ++q) {
+      const VPeer& p = _peers[static_cast<size_t>(q)];
+      // (An implicit request can also be covered by a synchronous one that a
+      // timed-out wait left in flight: that is not in async_ops.)
+      busy |= (peer < 0 || q == peer) && (p.async_ops > 0 || (p.up && p.implicit_end > p.sq_retired));
+    }
     if (!busy) return Status::ok();
     if (dl.expired()) return Status::error(Code::timeout, "flush: RDMA operations still in flight at the deadline");
     cpu_relax();
