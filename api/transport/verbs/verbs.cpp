@@ -447,14 +447,14 @@ uint8_t* VerbsTransport::send_buf(int peer, uint32_t i) const {
 
 // ---- posting and completions --------------------------------------------------------------
 
-Status VerbsTransport::post(int peer, ibv_send_wr& wr, Op op, bool signalled) {
+Status VerbsTransport::post(int peer, ibv_send_wr& wr, Op op, bool signalled, const Deadline* room) {
   VPeer& p = _peers[static_cast<size_t>(peer)];
   if (!p.up) return Status::error(Code::peer_failure, "verbs: the queue pair to rank %d is down", peer);
   // Room in the send queue: unsignalled requests hold their entries until a
   // later signalled one completes.
   auto full = [&p] { return p.sq_posted - p.sq_retired + 1 >= kSqRoom; };
   if (full()) {  // (the clock is read only when it has to wait)
-    for (Deadline dl = Deadline::after_ms(30000); full();) {
+    for (Deadline dl = room != nullptr ? *room : Deadline::after_ms(30000); full();) {
       poll_send();
       if (!p.up) return Status::error(Code::peer_failure, "verbs: the queue pair to rank %d is down", peer);
       if (dl.expired()) return Status::error(Code::no_resource, "verbs: send queue to rank %d full until the deadline", peer);
@@ -1042,7 +1042,10 @@ Status VerbsTransport::flush(int peer, const Deadline& dl) {
     wr.opcode = IBV_WR_RDMA_WRITE;
     wr.wr.rdma.remote_addr = p.mailbox_addr;
     wr.wr.rdma.rkey = p.mailbox_rkey;
-    if (Status st = post(q, wr, Op{}, true); !st && p.up) return st;
+    if (Status st = post(q, wr, Op{}, true, &dl); !st && p.up) {
+      if (dl.expired()) return Status::error(Code::timeout, "flush: send queue to rank %d still full at the deadline", q);
+      return st;
+    }
   }
   for (;;) {
     poll_send();

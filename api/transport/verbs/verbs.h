@@ -192,7 +192,8 @@ class VerbsTransport final : public Transport {
   Status reg(void* addr, size_t len, int access, ibv_mr** out, const char* what);
   Status bring_up(int peer, uint32_t qpn, const ibv_gid& gid, uint16_t lid, ibv_mtu mtu, uint32_t psn);
   std::string wire_blob() const;
-  Status post(int peer, ibv_send_wr& wr, Op op, bool signalled);
+  // Waits for send-queue room until `room` (nullptr: 30 s).
+  Status post(int peer, ibv_send_wr& wr, Op op, bool signalled, const Deadline* room = nullptr);
   // r == nullptr: implicit (see "Implicit" above).
   Status post_rdma(int peer, ibv_wr_opcode opc, void* local, uint32_t lkey, uint64_t raddr, uint32_t rkey, size_t len,
                    const std::shared_ptr<Request>& r, ibv_mr* own_mr);
