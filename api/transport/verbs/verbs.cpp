@@ -530,20 +530,24 @@ void VerbsTransport::complete_op(uint64_t id, const ibv_wc& wc) {
   const int peer = static_cast<int>(id >> 40);
   VPeer& p = _peers[static_cast<size_t>(peer)];
   const uint64_t seq = id & ((1ull << 40) - 1);
-  if (wc.status != IBV_WC_SUCCESS && p.up) {
-    // This request and every one behind it on the pair is lost: implicit
-    // ones among them have no request to fail.
-    implicit_lost(peer, seq, to_hcomm(code_of(wc.status)),
-                  std::string("verbs: ") + ::ibv_wc_status_str(wc.status) + " on the queue pair to rank " +
-                      std::to_string(peer));
-  }
+  const bool failed = wc.status != IBV_WC_SUCCESS;
+  // What a failed request reports, and what fails its peer.
+  auto what = [&] {
+    return std::string("verbs: ") + ::ibv_wc_status_str(wc.status) + " on the queue pair to rank " +
+           std::to_string(peer);
+  };
+  auto fail_pair = [&] {
+    if (p.up) _sink.on_peer_failed(peer, std::string("verbs queue pair failed: ") + ::ibv_wc_status_str(wc.status));
+  };
+  // This request and every one behind it on the pair is lost: implicit ones
+  // among them have no request to fail.
+  if (failed && p.up) implicit_lost(peer, seq, to_hcomm(code_of(wc.status)), what());
   p.sq_retired = std::max<uint64_t>(p.sq_retired, seq + 1);  // in order: every earlier one is done
   Op& slot = p.ops[id & (kSqDepth - 1)];
   if (!slot.live) {
     // An unsignalled request that failed (the NIC reports those too), or
     // one whose peer failed meanwhile (already completed).
-    if (wc.status != IBV_WC_SUCCESS && p.up)
-      _sink.on_peer_failed(peer, std::string("verbs queue pair failed: ") + ::ibv_wc_status_str(wc.status));
+    if (failed) fail_pair();
     return;
   }
   Op op = std::move(slot);
@@ -551,26 +555,21 @@ void VerbsTransport::complete_op(uint64_t id, const ibv_wc& wc) {
   if (!op.sync) --p.async_ops;
   if (op.sync) {
     _sync_done[id] = wc;
-    if (wc.status != IBV_WC_SUCCESS && p.up)
-      _sink.on_peer_failed(peer, std::string("verbs queue pair failed: ") + ::ibv_wc_status_str(wc.status));
+    if (failed) fail_pair();
     return;
   }
   if (op.own_mr != nullptr) ::ibv_dereg_mr(op.own_mr);
   if (op.scratch >= 0) {
-    if (wc.status == IBV_WC_SUCCESS && op.result != nullptr)
+    if (!failed && op.result != nullptr)
       *op.result = std::atomic_ref<uint64_t>(_scratch[static_cast<size_t>(op.scratch)]).load(std::memory_order_acquire);
     _scratch_free.push_back(op.scratch);
   }
   Request* r = op.r.get();
-  if (wc.status != IBV_WC_SUCCESS) {
-    if (r != nullptr)
-      r->complete(to_hcomm(code_of(wc.status)), std::string("verbs: ") + ::ibv_wc_status_str(wc.status) +
-                                                    " on the queue pair to rank " + std::to_string(peer));
-    if (p.up) {
-      // The queue pair is in error and flushes everything behind: the pair
-      // is gone (see "refused keys" in verbs.h: the NIC never sees one).
-      _sink.on_peer_failed(peer, std::string("verbs queue pair failed: ") + ::ibv_wc_status_str(wc.status));
-    }
+  if (failed) {
+    if (r != nullptr) r->complete(to_hcomm(code_of(wc.status)), what());
+    // The queue pair is in error and flushes everything behind: the pair is
+    // gone (see "refused keys" in verbs.h: the NIC never sees one).
+    fail_pair();
   } else if (op.notify_addr != 0 && r != nullptr && !r->done() && mb().revoked(peer, op.notify_slot, op.notify_gen)) {
     // The word's memory was released while the data was in flight.
     r->complete(HCOMM_ERR_ACCESS, "put_notify: the notify word's key was revoked by rank " + std::to_string(peer) +
