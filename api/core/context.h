@@ -226,6 +226,8 @@ class Context final : public AmSink {
   // complete in place (len of an atomic, local_mem).
   using RmaArgs = RmaOp;
   Status rma(RmaArgs& a, std::shared_ptr<Request>* out);
+  // A new request of an RMA to `peer` (rma(), and a lane's implicit failure).
+  std::shared_ptr<Request> rma_request(int peer);
   // Whether a call of a on its keys' lanes completes inside rma() (fixed
   // per key at import: hcomm_rkey::sync).
   bool rma_sync(const RmaArgs& a) const {

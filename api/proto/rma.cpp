@@ -128,12 +128,17 @@ Status Context::rma(RmaArgs& a, std::shared_ptr<Request>* out) {
     if (out != nullptr) out->reset();
     return lane->rma(a, nullptr);
   }
-  auto r = new_request();
-  r->kind = Request::Kind::rma;
-  r->peer = a.rkey->peer;
-  r->id = _next_id++;
+  auto r = rma_request(a.rkey->peer);
   if (out != nullptr) *out = r;
   return lane->rma(a, r);
+}
+
+std::shared_ptr<Request> Context::rma_request(int peer) {
+  auto r = new_request();
+  r->kind = Request::Kind::rma;
+  r->peer = peer;
+  r->id = _next_id++;
+  return r;
 }
 
 Status Context::flush(int peer, const Deadline& dl) {
@@ -154,10 +159,7 @@ Status Context::complete_all(const Deadline& dl) {
 // A lane's implicit operation failed: kept as a failed request, so the
 // next flush covering the peer reports it like any other.
 void Context::on_implicit_failed(int peer, hcomm_status_t st, const std::string& why) {
-  auto r = new_request();
-  r->kind = Request::Kind::rma;
-  r->peer = peer;
-  r->id = _next_id++;
+  auto r = rma_request(peer);
   r->complete(st, why);
   keep_implicit(std::move(r));
 }
