@@ -7,7 +7,10 @@
 #             dtype and size up to 64 MiB (rendezvous by READ below 128 KiB, by
 #             WRITE from there; the two-sided cases again with HCOMM_RNDV=get and
 #             =put: every size by READ, by WRITE), asserting verbs serves every peer
-#             and that rxe's counters moved; and, as an unprivileged user with
+#             and that rxe's counters moved; put/get, send/recv (both rendezvous),
+#             accumulate and put_notify again with HCOMM_IB_MAX_MSG=65536, so
+#             messages are split into pieces, more than a send queue holds;
+#             and, as an unprivileged user with
 #             a 64 KiB RLIMIT_MEMLOCK, init failing with a message naming it;
 #             and hcomm-probe seeing the QEMU TCG guest (whose busy polls run
 #             without the pause hint, common/barrier.h);

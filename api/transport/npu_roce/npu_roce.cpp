@@ -137,14 +137,6 @@ NpuRoceTransport::~NpuRoceTransport() {
   for (Region* r : {&_am, &_table, &_mailbox, &_scratch}) drop_region(*r);
 }
 
-std::string NpuRoceTransport::describe() const {
-  char b[64];
-  std::snprintf(b, sizeof b, "%u.%u.%u.%u %02x:%02x:%02x:%02x:%02x:%02x mtu %u", _ip >> 24, (_ip >> 16) & 255,
-                (_ip >> 8) & 255, _ip & 255, _mac[0], _mac[1], _mac[2], _mac[3], _mac[4], _mac[5],
-                rdma::mtu_bytes(_mtu));
-  return b;
-}
-
 // ---- wire-up ------------------------------------------------------------------------------
 
 Status NpuRoceTransport::connect(Bootstrap& boot, NpuRoceTransport* self, const std::string& absent,

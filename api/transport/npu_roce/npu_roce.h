@@ -109,9 +109,6 @@ class NpuRoceTransport final : public Transport {
   void peer_failed(int peer, const std::string& why) override;
   bool acknowledge() override;
 
-  // "10.0.1.1 02:48:43:00:01:00 mtu 4096"
-  std::string describe() const;
-
  private:
   // DMA memory the engine reaches: pages, their ATT mapping, a memory key.
   struct Region {

@@ -44,8 +44,6 @@ std::string gid_text(const ibv_gid& g) {
   return v4 ? std::string("::ffff:") + buf : std::string(buf);
 }
 
-int mtu_bytes(ibv_mtu m) { return 128 << static_cast<int>(m); }
-
 // An RDMA WRITE of one piece.
 ibv_send_wr write_wr(ibv_sge& sge, uint64_t raddr, uint32_t rkey) {
   ibv_send_wr wr{};
@@ -91,14 +89,16 @@ Status VerbsConfig::from_env(VerbsConfig* out) {
     }
     c.device = v;
   }
-  long port = c.port, timeout = c.timeout, retry = c.retry;
+  long port = c.port, timeout = c.timeout, retry = c.retry, max_msg = 0;
   HCOMM_TRY(env_int("HCOMM_IB_PORT", 1, 255, &port));
   if (const char* g = env("HCOMM_IB_GID")) c.gid = g;
   HCOMM_TRY(env_int("HCOMM_IB_TIMEOUT", 1, 31, &timeout));
   HCOMM_TRY(env_int("HCOMM_IB_RETRY", 0, 7, &retry));
+  HCOMM_TRY(env_int("HCOMM_IB_MAX_MSG", 4096, 1L << 31, &max_msg));
   c.port = static_cast<int>(port);
   c.timeout = static_cast<int>(timeout);
   c.retry = static_cast<int>(retry);
+  c.max_msg = static_cast<size_t>(max_msg);
   *out = c;
   return Status::ok();
 }
@@ -231,6 +231,7 @@ Status VerbsTransport::setup(const VerbsConfig& cfg) {
       return Status::from_errno(rc, "verbs: queue pair to INIT");
   }
   _max_msg = _port_attr.max_msg_sz > 0 ? _port_attr.max_msg_sz : (1u << 30);
+  if (cfg.max_msg > 0 && cfg.max_msg < _max_msg) _max_msg = static_cast<uint32_t>(cfg.max_msg);
   _caps.max_short = kEagerMax;
   _caps.max_zcopy = _max_msg;
   _caps.put = _caps.get = _caps.atomic64 = _caps.reduce = _caps.notify = true;
@@ -249,7 +250,6 @@ Status VerbsTransport::choose_gid(const VerbsConfig& cfg) {
   if (_port_attr.link_layer == IBV_LINK_LAYER_INFINIBAND && cfg.gid.empty()) {
     _gid_index = 0;
     if (::ibv_query_gid(_dev, _port, 0, &_gid) != 0) return Status::from_errno(errno, "verbs: ibv_query_gid");
-    _gid_desc = "gid 0 (IB " + gid_text(_gid) + ") lid " + std::to_string(_port_attr.lid);
     return Status::ok();
   }
   std::vector<gid_rule::Entry> rows;
@@ -280,14 +280,7 @@ Status VerbsTransport::choose_gid(const VerbsConfig& cfg) {
   const gid_rule::Entry& best = rows[static_cast<size_t>(pick)];
   _gid_index = static_cast<int>(best.index);
   std::memcpy(_gid.raw, best.raw, sizeof _gid.raw);
-  _gid_desc = "gid " + std::to_string(best.index) + " (" + (best.roce_v2 ? "RoCEv2 " : "RoCEv1 ") + gid_text(_gid) +
-              ")";
   return Status::ok();
-}
-
-std::string VerbsTransport::describe() const {
-  return _dev_name + ":" + std::to_string(_port) + " " + _gid_desc + " mtu " +
-         std::to_string(mtu_bytes(_port_attr.active_mtu));
 }
 
 VerbsTransport::~VerbsTransport() {
@@ -511,7 +504,16 @@ Status VerbsTransport::post_rdma(int peer, ibv_wr_opcode opc, void* local, uint3
     Status st = post(peer, wr, std::move(op), sig);
     if (!st) {
       if (!implicit) --r->outstanding;
-      if (off == len && own_mr != nullptr) ::ibv_dereg_mr(own_mr);
+      // Earlier pieces are posted (a message longer than _max_msg): it cannot
+      // complete, and they may still read or write through `own_mr`. The pair
+      // fails (its queue pair goes to error: the NIC stops touching memory)
+      // before the registration is released.
+      if (off > n && p.up) {
+        st = Status::error(st.code(), "verbs: a message to rank %d cut short after %zu of %zu bytes: %s", peer,
+                           off - n, len, st.message().c_str());
+        _sink.on_peer_failed(peer, st.message());
+      }
+      if (own_mr != nullptr) ::ibv_dereg_mr(own_mr);
       return st;
     }
     if (implicit) p.implicit_end = p.sq_posted;

@@ -85,6 +85,7 @@ struct VerbsConfig {
   std::string gid;        // HCOMM_IB_GID: an index or an IP address ("" = automatic)
   int timeout = 14;       // HCOMM_IB_TIMEOUT: local ACK timeout, 4.096 us * 2^timeout
   int retry = 7;          // HCOMM_IB_RETRY: transport retries (0..7)
+  size_t max_msg = 0;     // HCOMM_IB_MAX_MSG: largest request posted (0 = the port's max_msg_sz)
   static Status from_env(VerbsConfig* out);
 };
 
@@ -142,8 +143,6 @@ class VerbsTransport final : public Transport {
   const std::string& device_name() const { return _dev_name; }
   // Soft-RoCE / soft-iWARP: the "NIC" is kernel code running on our CPUs.
   bool software() const { return _dev_name.rfind("rxe", 0) == 0 || _dev_name.rfind("siw", 0) == 0; }
-  // "rxe0:1 gid 1 (RoCEv2 ::ffff:10.0.0.1) mtu 1024"
-  std::string describe() const;
 
  private:
   struct Op {  // one signalled work request in flight
@@ -242,7 +241,6 @@ class VerbsTransport final : public Transport {
   ibv_device_attr _dev_attr{};
   int _gid_index = -1;
   ibv_gid _gid{};
-  std::string _gid_desc;
   uint32_t _max_inline = 0;
   uint32_t _max_msg = 0;
   uint32_t _psn = 0;
