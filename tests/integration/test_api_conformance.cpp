@@ -1638,6 +1638,10 @@ TEST_P(Api, SilentPeerIsPeerFailureWithinTheBound) {
 // pair gives up after 4.096 us x 2^t x (r+1); the keepalive is set far longer
 // (HCOMM_KEEPALIVE_MS), and the bound plus slack is below what the default
 // settings give, so only the configured queue pair can end the put in time.
+// HCOMM_TEST_SILENT_BYTES=N (with a small HCOMM_IB_MAX_MSG): after one small
+// put, the puts are N bytes and start well after the silence, so the first
+// fills the send queue with pieces and fails while waiting for room: a
+// message cut short, which fails the pair before its pieces' memory goes.
 TEST_P(Api, SilentPeerUnderRdmaIsPeerFailureWithinTheQueuePairBound) {
   const char* silence = std::getenv("HCOMM_TEST_SILENCE_CMD");
   const char* to = std::getenv("HCOMM_IB_TIMEOUT");
@@ -1655,10 +1659,12 @@ TEST_P(Api, SilentPeerUnderRdmaIsPeerFailureWithinTheQueuePairBound) {
   ASSERT_LT(bound_ms + slack_ms, std::atof(ka)) << "the keepalive would notice first";
   ASSERT_LT(bound_ms + slack_ms, qp_bound_ms(14, 7)) << "the default settings would pass too";
   const std::string cmd = silence;
+  const char* bytes_env = std::getenv("HCOMM_TEST_SILENT_BYTES");
+  const size_t big = bytes_env != nullptr ? std::strtoul(bytes_env, nullptr, 10) : 0;
   run(
       [&](hcomm_context_t* ctx, int me, int) {
         hcomm_mem_t* w;
-        RCHECK_OK(hcomm_mem_alloc(ctx, 4096, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
+        RCHECK_OK(hcomm_mem_alloc(ctx, std::max<size_t>(4096, big), HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &w));
         auto keys = exchange_keys(ctx, w, 13);
         RCHECK_OK(hcomm_barrier(ctx, T));
         if (me == 1) {
@@ -1680,15 +1686,17 @@ TEST_P(Api, SilentPeerUnderRdmaIsPeerFailureWithinTheQueuePairBound) {
         int puts = 0;
         while (st == HCOMM_OK && std::chrono::steady_clock::now() < give_up) {
           auto t0 = std::chrono::steady_clock::now();
+          const size_t len = big > 0 && puts > 0 ? big : 64;
           if (nbi) {
-            st = hcomm_put_nbi(ctx, src, 64, keys[1], 0);
+            st = hcomm_put_nbi(ctx, src, len, keys[1], 0);
             if (st == HCOMM_OK) st = hcomm_flush(ctx, 1, 60000);
           } else {
-            st = hcomm_put(ctx, src, 64, keys[1], 0, 60000);
+            st = hcomm_put(ctx, src, len, keys[1], 0, 60000);
           }
           ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
           ++puts;
-          if (st == HCOMM_OK) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          // (big: the first large put starts 1 s after the silence began)
+          if (st == HCOMM_OK) std::this_thread::sleep_for(std::chrono::milliseconds(big > 0 && puts == 1 ? 1200 : 20));
         }
         const std::string why = hcomm_last_error();
         std::fprintf(stderr, "[rank 0] put %d failed after %lld ms (queue pair bound %.0f ms): %s\n", puts, ms, bound_ms,
@@ -1698,6 +1706,9 @@ TEST_P(Api, SilentPeerUnderRdmaIsPeerFailureWithinTheQueuePairBound) {
         RCHECK(why.find("retry") != std::string::npos) << "not the queue pair's retries: " << why;
         if (nbi) {
           RCHECK(why.find("implicit") != std::string::npos) << "not the put_nbi's own failure: " << why;
+        }
+        if (big > 0) {
+          RCHECK(why.find("cut short") != std::string::npos) << "not a message cut short: " << why;
         }
         RCHECK(ms < bound_ms + slack_ms) << "noticed only after " << ms << " ms";
         ::_exit(0);  // finalize's barrier would wait for the silent rank

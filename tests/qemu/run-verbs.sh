@@ -21,7 +21,9 @@
 #             guest) noticed as peer failure within the keepalive bound, and
 #             again while a put is in flight, with HCOMM_IB_TIMEOUT=13,
 #             HCOMM_IB_RETRY=3 and a 60 s keepalive: the queue pair's retries
-#             end it within 4.096 us x 2^13 x 4 = 134 ms (+ 300 ms);
+#             end it within 4.096 us x 2^13 x 4 = 134 ms (+ 300 ms); the same
+#             with put_nbi + flush, and with a 256 KiB put split into 64-byte
+#             pieces that fails waiting for send-queue room (cut short);
 #   (loopback and pair also check that rxe neither sent nor received an RNR
 #   NAK: the credits keep every SEND inside a posted receive buffer)
 #   netem     the same pair with 5% loss + reordering on one guest, sizes up to

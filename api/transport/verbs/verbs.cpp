@@ -94,7 +94,7 @@ Status VerbsConfig::from_env(VerbsConfig* out) {
   if (const char* g = env("HCOMM_IB_GID")) c.gid = g;
   HCOMM_TRY(env_int("HCOMM_IB_TIMEOUT", 1, 31, &timeout));
   HCOMM_TRY(env_int("HCOMM_IB_RETRY", 0, 7, &retry));
-  HCOMM_TRY(env_int("HCOMM_IB_MAX_MSG", 4096, 1L << 31, &max_msg));
+  HCOMM_TRY(env_int("HCOMM_IB_MAX_MSG", 64, 1L << 31, &max_msg));
   c.port = static_cast<int>(port);
   c.timeout = static_cast<int>(timeout);
   c.retry = static_cast<int>(retry);
@@ -440,16 +440,22 @@ uint8_t* VerbsTransport::send_buf(int peer, uint32_t i) const {
 
 // ---- posting and completions --------------------------------------------------------------
 
+Status VerbsTransport::down(int peer) const {
+  const VPeer& p = _peers[static_cast<size_t>(peer)];
+  return Status::error(Code::peer_failure, "verbs: the queue pair to rank %d is down%s%s", peer, p.down.empty() ? "" : ": ",
+                       p.down.c_str());
+}
+
 Status VerbsTransport::post(int peer, ibv_send_wr& wr, Op op, bool signalled, const Deadline* room) {
   VPeer& p = _peers[static_cast<size_t>(peer)];
-  if (!p.up) return Status::error(Code::peer_failure, "verbs: the queue pair to rank %d is down", peer);
+  if (!p.up) return down(peer);
   // Room in the send queue: unsignalled requests hold their entries until a
   // later signalled one completes.
   auto full = [&p] { return p.sq_posted - p.sq_retired + 1 >= kSqRoom; };
   if (full()) {  // (the clock is read only when it has to wait)
     for (Deadline dl = room != nullptr ? *room : Deadline::after_ms(30000); full();) {
       poll_send();
-      if (!p.up) return Status::error(Code::peer_failure, "verbs: the queue pair to rank %d is down", peer);
+      if (!p.up) return down(peer);
       if (dl.expired()) return Status::error(Code::no_resource, "verbs: send queue to rank %d full until the deadline", peer);
       cpu_relax();
     }
@@ -508,10 +514,10 @@ Status VerbsTransport::post_rdma(int peer, ibv_wr_opcode opc, void* local, uint3
       // complete, and they may still read or write through `own_mr`. The pair
       // fails (its queue pair goes to error: the NIC stops touching memory)
       // before the registration is released.
-      if (off > n && p.up) {
+      if (off > n) {
         st = Status::error(st.code(), "verbs: a message to rank %d cut short after %zu of %zu bytes: %s", peer,
                            off - n, len, st.message().c_str());
-        _sink.on_peer_failed(peer, st.message());
+        if (p.up) _sink.on_peer_failed(peer, st.message());
       }
       if (own_mr != nullptr) ::ibv_dereg_mr(own_mr);
       return st;
@@ -1165,6 +1171,7 @@ void VerbsTransport::peer_failed(int peer, const std::string& why) {
   if (!p.up) return;
   implicit_lost(peer, p.sq_retired, HCOMM_ERR_PEER_FAILURE, why);
   p.up = false;
+  p.down = why;
   // Stop the NIC touching anything for this pair before buffers are released.
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_ERR;

@@ -181,6 +181,7 @@ class VerbsTransport final : public Transport {
     // signalled request (a later completion covers every earlier request).
     uint64_t implicit_end = 0, signalled_end = 0;
     uint32_t notice_acked = 0;    // the last revocation number of this peer's we acknowledged
+    std::string down;             // why the pair failed (peer_failed), for what is refused after
     // the peer's table, locks and our mailbox there
     uint64_t table_addr = 0, locks_addr = 0, mailbox_addr = 0;
     uint32_t table_rkey = 0, locks_rkey = 0, mailbox_rkey = 0;
@@ -191,6 +192,8 @@ class VerbsTransport final : public Transport {
   Status reg(void* addr, size_t len, int access, ibv_mr** out, const char* what);
   Status bring_up(int peer, uint32_t qpn, const ibv_gid& gid, uint16_t lid, ibv_mtu mtu, uint32_t psn);
   std::string wire_blob() const;
+  // peer_failure: the pair to `peer` is down, and why.
+  Status down(int peer) const;
   // Waits for send-queue room until `room` (nullptr: 30 s).
   Status post(int peer, ibv_send_wr& wr, Op op, bool signalled, const Deadline* room = nullptr);
   // r == nullptr: implicit (see "Implicit" above).
