@@ -14,6 +14,7 @@
 #include <cstring>
 #include <random>
 #include <thread>
+#include <utility>
 
 #include "api/transport/cma/cma.h"
 #include "api/transport/npu/npu.h"
@@ -415,6 +416,13 @@ const char* Context::peer_transport(int peer) const {
 
 Context::~Context() {
   _closing = true;
+  // Rendezvous left pending (finalize waits for neither a send no receiver
+  // matched nor a receive its sender never wrote): their per-message
+  // registrations go before the transports that made them.
+  for (auto& [id, r] : _pending_sends)
+    if (r->exposed_by != nullptr) std::exchange(r->exposed_by, nullptr)->unexpose(*r);
+  for (Pull& u : _pulls)
+    if (u.by_write && u.recv->exposed_by != nullptr) std::exchange(u.recv->exposed_by, nullptr)->unexpose_recv(*u.recv, false);
   for (auto& [key, k] : _rndv_keys) (void)rkey_release(k);
   _rndv_keys.clear();
   for (hcomm_rkey* k : _claim_keys)
@@ -520,14 +528,13 @@ void Context::cancel_send(const std::shared_ptr<Request>& rp, const Deadline& dl
     auto g = new_request();
     g->peer = _rank;
     g->id = next_id();
-    uint64_t old = 0;
     (void)claim_cas(_claim_keys[static_cast<size_t>(_rank)], r.claim, claim_token(r.id, kExposed),
-                    claim_token(r.id, kRetracted), &old, g);
+                    claim_token(r.id, kRetracted), &g->fetched, g);
     if (!spin_wait([&] { return g->done(); }, true, dl)) return cancel_stuck(r, "retracting a rendezvous send");
     if (r.done()) return;  // the FIN came meanwhile
     if (g->status != HCOMM_OK) return;  // the word is out of reach: the FIN or the peer's failure decides
     // (Our own word: nothing else writes a later message's token into it.)
-    state = claim_state(old, r.id);
+    state = claim_state(g->fetched, r.id);
     if (state != 0 || ask + 1 == kClaimAsks) break;
   }
   if (state != kExposed && state != kRetracted) return;  // claimed (or no answer): wait for the FIN

@@ -78,6 +78,9 @@ struct Request {
   uint32_t outstanding = 0;
   uint64_t* result_out = nullptr;
   uint32_t result_slot = UINT32_MAX;
+  // A fetch result kept with the request, for a caller whose frame may end
+  // first (cancel_send's retraction: the lane writes it at completion).
+  uint64_t fetched = 0;
   // rendezvous send: what the messaging lane exposed for the receiver's read
   void* exposed = nullptr;
   Transport* exposed_by = nullptr;

@@ -460,7 +460,9 @@ void Context::on_cts(Peer& p, const MsgHdr& h) {
   auto it = _pending_sends.find(h.sreq);
   if (it == _pending_sends.end() || it->second->peer != p.rank)
     return peer_failed(p, "CTS for message " + std::to_string(h.sreq) + ", which is not a send waiting for it");
-  const std::shared_ptr<Request>& s = it->second;
+  // A copy: write_raw may wait for send-queue room, and a peer failure
+  // noticed meanwhile erases the entry.
+  const std::shared_ptr<Request> s = it->second;
   for (const Push& u : _pushes)
     if (u.send == s) return peer_failed(p, "a second CTS for message " + std::to_string(h.sreq));
   if (h.total == 0 || h.total > s->slen)

@@ -1214,6 +1214,49 @@ TEST_P(Api, PutWithNotifyAndNonblockingFlushFence) {
     hcomm_request_free(g);
     RCHECK(lp[0] == 2);
     RCHECK_OK(hcomm_barrier(ctx, T));
+    // More put_notify in flight than a verbs send queue holds (each one's
+    // word goes out as its data completes, taking the room that completion
+    // freed), then an accumulate, whose lock and data wait for their own
+    // completions: they must find theirs, not a notify word's. (The qemu
+    // suite runs this with verbs pieces of 64 bytes: every put below is 4
+    // pieces, and the queue is surely full when the accumulate posts.)
+    {
+      const int k = 300;
+      const size_t at = 131072, acc_at = 262144;  // k slots of 256 bytes, then the accumulated word
+      const double zero = 0.0;
+      std::memcpy(wp + acc_at, &zero, sizeof zero);  // ours, which the left neighbour adds to
+      // An atomic first: verbs self-tests the NIC's atomics at the first one,
+      // and that test's wait would drain the queue before the accumulate.
+      uint64_t seen = 0;
+      RCHECK_OK(hcomm_fetch_add(ctx, fk[right], 24, 0, &seen, T));
+      RCHECK_OK(hcomm_barrier(ctx, T));
+      std::vector<hcomm_request_t*> pn_reqs;
+      for (int i = 0; i < k; ++i) {
+        uint8_t* src = lp + at + static_cast<size_t>(i) * 256;
+        std::memset(src, i % 251 + 1, 256);
+        hcomm_request_t* r;
+        RCHECK_OK(hcomm_iput_notify(ctx, src, 256, wk[right], at + static_cast<uint64_t>(i) * 256, fk[right], 16,
+                                    static_cast<uint64_t>(i) + 1, &r));
+        pn_reqs.push_back(r);
+      }
+      const double one = 1.0;
+      std::memcpy(lp + acc_at, &one, sizeof one);
+      RCHECK_OK(hcomm_accumulate(ctx, lp + acc_at, 1, HCOMM_FP64, HCOMM_SUM, wk[right], acc_at, T));
+      for (auto* r : pn_reqs) {
+        RCHECK_OK(hcomm_wait(r, T));
+        hcomm_request_free(r);
+      }
+      RCHECK_OK(hcomm_barrier(ctx, T));
+      const uint64_t word = *reinterpret_cast<const uint64_t*>(static_cast<const uint8_t*>(hcomm_mem_ptr(flag)) + 16);
+      RCHECK(word >= 1 && word <= static_cast<uint64_t>(k)) << word;
+      for (int i = 0; i < k; ++i)
+        RCHECK(wp[at + static_cast<size_t>(i) * 256] == i % 251 + 1 && wp[at + static_cast<size_t>(i) * 256 + 255] == i % 251 + 1)
+            << i;
+      double acc = 0;
+      std::memcpy(&acc, wp + acc_at, sizeof acc);
+      RCHECK(acc == 1.0) << acc;
+      RCHECK_OK(hcomm_barrier(ctx, T));
+    }
     release_keys(wk);
     release_keys(fk);
     RCHECK_OK(hcomm_mem_release(w));

@@ -515,7 +515,7 @@ Status VerbsTransport::post_rdma(int peer, ibv_wr_opcode opc, void* local, uint3
       // fails (its queue pair goes to error: the NIC stops touching memory)
       // before the registration is released.
       if (off > n) {
-        st = Status::error(st.code(), "verbs: a message to rank %d cut short after %zu of %zu bytes: %s", peer,
+        st = Status::error(Code::peer_failure, "verbs: a message to rank %d cut short after %zu of %zu bytes: %s", peer,
                            off - n, len, st.message().c_str());
         if (p.up) _sink.on_peer_failed(peer, st.message());
       }
@@ -562,7 +562,7 @@ void VerbsTransport::complete_op(uint64_t id, const ibv_wc& wc) {
   slot = Op{};
   if (!op.sync) --p.async_ops;
   if (op.sync) {
-    _sync_done[id] = wc;
+    if (_sync_abandoned.erase(id) == 0) _sync_done[id] = wc;
     if (failed) fail_pair();
     return;
   }
@@ -719,8 +719,10 @@ bool VerbsTransport::acknowledge() {
       sge.lkey = _scratch_mr->lkey;
       Op op;
       op.sync = true;
-      const uint64_t id = wr_id(r, p.sq_posted);
-      if (post(r, wr, std::move(op), true) && sync_wait(id, Deadline::after_ms(5000), "revocation acknowledgement"))
+      // (its sequence number is known once posted: waiting for room can post
+      // a notify word first, from complete_op)
+      if (post(r, wr, std::move(op), true) &&
+          sync_wait(wr.wr_id, Deadline::after_ms(5000), "revocation acknowledgement"))
         p.notice_acked = n;
     }
   }
@@ -740,7 +742,10 @@ Status VerbsTransport::sync_wait(uint64_t id, const Deadline& dl, const char* wh
       if (wc.status == IBV_WC_SUCCESS) return Status::ok();
       return Status::error(code_of(wc.status), "verbs: %s: %s", what, ::ibv_wc_status_str(wc.status));
     }
-    if (dl.expired()) return Status::error(Code::timeout, "verbs: %s still in flight at the deadline", what);
+    if (dl.expired()) {
+      _sync_abandoned.insert(id);  // its completion, when it comes, is nobody's
+      return Status::error(Code::timeout, "verbs: %s still in flight at the deadline", what);
+    }
     cpu_relax();
   }
 }
@@ -759,9 +764,8 @@ Status VerbsTransport::sync_rdma(int peer, ibv_wr_opcode opc, void* local, uint3
     wr.wr.rdma.rkey = rkey;
     Op op;
     op.sync = true;
-    const uint64_t id = wr_id(peer, _peers[static_cast<size_t>(peer)].sq_posted);
     HCOMM_TRY(post(peer, wr, std::move(op), true));
-    HCOMM_TRY(sync_wait(id, Deadline::after_ms(30000), what));
+    HCOMM_TRY(sync_wait(wr.wr_id, Deadline::after_ms(30000), what));  // (set by post: see acknowledge)
     off += n;
   }
   return Status::ok();
@@ -781,9 +785,8 @@ Status VerbsTransport::sync_atomic(int peer, ibv_wr_opcode opc, uint64_t raddr, 
   wr.wr.atomic.swap = swap;
   Op op;
   op.sync = true;
-  const uint64_t id = wr_id(peer, _peers[static_cast<size_t>(peer)].sq_posted);
   HCOMM_TRY(post(peer, wr, std::move(op), true));
-  HCOMM_TRY(sync_wait(id, Deadline::after_ms(30000), "atomic"));
+  HCOMM_TRY(sync_wait(wr.wr_id, Deadline::after_ms(30000), "atomic"));
   *old = std::atomic_ref<uint64_t>(*slot).load(std::memory_order_acquire);
   return Status::ok();
 }
@@ -839,8 +842,7 @@ std::vector<int> VerbsTransport::write_peers(const std::vector<int>& peers, int 
     ibv_send_wr wr = write_wr(sge, p.mailbox_addr + word * 4, p.mailbox_rkey);
     Op op;
     op.sync = true;
-    const uint64_t id = wr_id(r, p.sq_posted);
-    if (post(r, wr, std::move(op), true)) posted.emplace_back(r, id);
+    if (post(r, wr, std::move(op), true)) posted.emplace_back(r, wr.wr_id);
   }
   std::vector<int> done;
   for (auto [r, id] : posted)

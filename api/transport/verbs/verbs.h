@@ -66,6 +66,7 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -194,7 +195,9 @@ class VerbsTransport final : public Transport {
   std::string wire_blob() const;
   // peer_failure: the pair to `peer` is down, and why.
   Status down(int peer) const;
-  // Waits for send-queue room until `room` (nullptr: 30 s).
+  // Waits for send-queue room until `room` (nullptr: 30 s). Sets wr.wr_id:
+  // the sequence number is known only then (while it waits, complete_op may
+  // post a put_notify's word).
   Status post(int peer, ibv_send_wr& wr, Op op, bool signalled, const Deadline* room = nullptr);
   // r == nullptr: implicit (see "Implicit" above).
   Status post_rdma(int peer, ibv_wr_opcode opc, void* local, uint32_t lkey, uint64_t raddr, uint32_t rkey, size_t len,
@@ -270,6 +273,7 @@ class VerbsTransport final : public Transport {
   std::vector<uint8_t> _bounce;
   ibv_mr* _bounce_mr = nullptr;
   std::map<uint64_t, ibv_wc> _sync_done;  // completions that a synchronous wait collects
+  std::set<uint64_t> _sync_abandoned;     // synchronous requests whose wait timed out
 };
 
 }  // namespace hcomm::api
