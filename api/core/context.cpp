@@ -421,8 +421,12 @@ Context::~Context() {
   // registrations go before the transports that made them.
   for (auto& [id, r] : _pending_sends)
     if (r->exposed_by != nullptr) std::exchange(r->exposed_by, nullptr)->unexpose(*r);
+  for (Peer& p : _peers)  // (a send exposed, then queued for want of credits)
+    for (auto& r : p.backlog)
+      if (r->exposed_by != nullptr) std::exchange(r->exposed_by, nullptr)->unexpose(*r);
   for (Pull& u : _pulls)
-    if (u.by_write && u.recv->exposed_by != nullptr) std::exchange(u.recv->exposed_by, nullptr)->unexpose_recv(*u.recv, false);
+    if (u.by_write && u.recv->exposed_by != nullptr)
+      std::exchange(u.recv->exposed_by, nullptr)->unexpose_recv(*u.recv, false);
   for (auto& [key, k] : _rndv_keys) (void)rkey_release(k);
   _rndv_keys.clear();
   for (hcomm_rkey* k : _claim_keys)
@@ -580,6 +584,13 @@ void Context::cancel(const std::shared_ptr<Request>& rp) {
     if (spin_wait([&] { return r.done(); }, true, round)) return;
     if (mark() == before) break;
   }
+  // Held by a lane that finishes alone (the NPU's DMA queue): its engine
+  // ends every descriptor it took, or its health check fails them when the
+  // device is lost, and until then it may write into the caller's buffer.
+  // Failing the peer would not stop it, so the cancel waits for the lane
+  // (bounded: a device neither finishing nor found lost in a minute).
+  if (r.held_by != nullptr && spin_wait([&] { return r.done(); }, true, Deadline::after_ms(kFinishAloneMs)))
+    return;
   cancel_stuck(r, r.kind == Request::Kind::send ? "a send the receiver is reading" : "a one-sided operation");
 }
 

@@ -48,6 +48,9 @@ enum : uint64_t { kExposed = 1, kClaimed = 2, kRetracted = 3 };
 // How many compare-swaps a receive sends for one claim whose word answers
 // something that is none of the three states of that message.
 inline constexpr unsigned kClaimAsks = 8;
+// How long a cancel waits, past its bound, for a lane that finishes alone
+// to end what it holds (Context::cancel).
+inline constexpr int kFinishAloneMs = 60000;
 constexpr uint64_t claim_token(uint64_t sreq, uint64_t state) { return (sreq << 2) | state; }
 // The state a claim word's value gives message sreq (kExposed, kClaimed,
 // kRetracted), or 0 when the value is none of that message's tokens.
@@ -78,6 +81,9 @@ struct Request {
   uint32_t outstanding = 0;
   uint64_t* result_out = nullptr;
   uint32_t result_slot = UINT32_MAX;
+  // A lane that finishes alone (Transport::finishes_alone: the NPU's DMA
+  // queue) holds its work: a cancel waits for that lane (see Context::cancel).
+  const Transport* held_by = nullptr;
   // A fetch result kept with the request, for a caller whose frame may end
   // first (cancel_send's retraction: the lane writes it at completion).
   uint64_t fetched = 0;

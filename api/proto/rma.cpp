@@ -129,6 +129,7 @@ Status Context::rma(RmaArgs& a, std::shared_ptr<Request>* out) {
     return lane->rma(a, nullptr);
   }
   auto r = rma_request(a.rkey->peer);
+  if (lane->finishes_alone()) r->held_by = lane;
   if (out != nullptr) *out = r;
   return lane->rma(a, r);
 }

@@ -371,8 +371,10 @@ void Context::pull(const std::shared_ptr<Request>& rp, int source, const MsgHdr&
     Status es = p.am->expose_recv(source, r, n, &c.addr, &c.rkey);
     if (es) {
       r.exposed_by = p.am;
-      post_ctl(source, c);
+      // Listed first: posting the CTS may find the source failed, and
+      // peer_failed finishes the pulls it lists.
       _pulls.push_back({rp, g, source, h.sreq, h.total, true});
+      post_ctl(source, c);
       return;
     }
     // Not exposable: fail it; the sender learns it from an error FIN.
@@ -415,6 +417,7 @@ void Context::pull(const std::shared_ptr<Request>& rp, int source, const MsgHdr&
                                                     : HCOMM_ERR_PROTOCOL,
                   cs.message());
   }
+  if (lane != nullptr && lane->finishes_alone()) r.held_by = lane;
   _pulls.push_back({rp, g, source, h.sreq, h.total, false, lane});
   finish_pulls();
 }
@@ -555,6 +558,12 @@ Status Context::isend(int dest, const void* buf, size_t len, uint64_t tag, std::
   if (!p.alive) return Status(Code::peer_failure, p.why_dead);
   // In order behind anything already queued for this peer.
   if (!p.backlog.empty() || !try_send(p, r)) {
+    // try_send may have found the peer failed (a lane reaping its queue):
+    // its backlog is never sent again.
+    if (!p.alive) {
+      send_done(*r, HCOMM_ERR_PEER_FAILURE, p.why_dead);
+      return Status::ok();
+    }
     p.backlog.push_back(r);
     p.queued = true;
   }

@@ -262,11 +262,23 @@ Status NpuRoceTransport::post_data(int peer, WrOp opc, uint64_t laddr, uint32_t 
     Status st = post(peer, w, std::move(op));
     if (!st) {
       --r->outstanding;
-      return st;
+      return cut_short(peer, off, len, st);
     }
     off += n;
   } while (off < len);
   return Status::ok();
+}
+
+// A message whose later part could not be posted (the pair failed, or the
+// ring or scratch words stayed full for 30 s): what is posted runs on and
+// the call returns, so the pair fails (its queue pair to ERR: the engine
+// stops touching the buffers) and the caller learns it. As verbs does.
+Status NpuRoceTransport::cut_short(int peer, size_t posted, size_t len, const Status& st) {
+  if (posted == 0) return st;
+  Status cut = Status::error(Code::peer_failure, "npu_roce: a message to rank %d cut short after %zu of %zu bytes: %s",
+                             peer, posted, len, st.message().c_str());
+  if (_peers[static_cast<size_t>(peer)].up) _sink.on_peer_failed(peer, cut.message());
+  return cut;
 }
 
 int NpuRoceTransport::take_scratch(const Deadline& dl) {
@@ -314,19 +326,21 @@ void NpuRoceTransport::complete_op(int peer, const rdma::Cqe& c) {
   _ops.erase(it);
   const auto st = static_cast<rdma::WcStatus>(c.status);
   if (op.sync) {
-    _sync_done[c.wr_id] = c.status;
+    if (_sync_abandoned.erase(c.wr_id) == 0) _sync_done[c.wr_id] = c.status;
     if (st != rdma::WcStatus::SUCCESS && p.up)
       _sink.on_peer_failed(peer, "npu_roce queue pair failed: " + wc_text(c.status));
     return;
   }
   if (op.scratch >= 0) {
-    if (st == rdma::WcStatus::SUCCESS && op.result != nullptr)
+    // (Not into a request already ended, as verbs.)
+    if (st == rdma::WcStatus::SUCCESS && op.result != nullptr && (op.r == nullptr || !op.r->done()))
       *op.result = std::atomic_ref<uint64_t>(reinterpret_cast<uint64_t*>(_scratch.data())[op.scratch])
                        .load(std::memory_order_acquire);
     _scratch_free.push_back(op.scratch);
   }
   if (op.staging && op.copy_to != nullptr) {  // the last piece: the whole message is in
-    if (st == rdma::WcStatus::SUCCESS) std::memcpy(op.copy_to, op.staging->data(), op.copy_len);
+    if (st == rdma::WcStatus::SUCCESS && (op.r == nullptr || !op.r->done()))
+      std::memcpy(op.copy_to, op.staging->data(), op.copy_len);
     drop_region(*op.staging);
   }
   Request* r = op.r.get();
@@ -453,7 +467,10 @@ Status NpuRoceTransport::sync_wait(int peer, uint64_t id, const Deadline& dl, co
       return Status::error(code_of(static_cast<rdma::WcStatus>(s)), "npu_roce: %s: %s", what, wc_text(s).c_str());
     }
     if (!_lost.is_ok()) return _lost;
-    if (dl.expired()) return Status::error(Code::timeout, "npu_roce: %s still in flight at the deadline", what);
+    if (dl.expired()) {
+      _sync_abandoned.insert(id);  // its completion, when it comes, is nobody's
+      return Status::error(Code::timeout, "npu_roce: %s still in flight at the deadline", what);
+    }
     cpu_relax();
   }
 }
@@ -636,8 +653,10 @@ Status NpuRoceTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& r) 
     case Rma::put:
       HCOMM_TRY(post_data(k.peer, WrOp::WRITE, laddr, lkey, raddr, k.roce_key, a.len, r, 0, 0, fence));
       // Placed after the data: the responder runs a queue pair's WRITEs in PSN order.
-      if (a.notify_rkey != nullptr)
-        return write_word(a.notify_rkey->roce_iova + a.notify_off, a.notify_rkey->roce_key, a.notify_value, 0);
+      if (a.notify_rkey != nullptr) {
+        Status st = write_word(a.notify_rkey->roce_iova + a.notify_off, a.notify_rkey->roce_key, a.notify_value, 0);
+        return st ? st : cut_short(k.peer, a.len, a.len + 8, st);  // (the data is posted: the word is its last part)
+      }
       return Status::ok();
     case Rma::get: return post_data(k.peer, WrOp::READ, laddr, lkey, raddr, k.roce_key, a.len, r, 0, 0, fence);
     case Rma::acc:

@@ -33,6 +33,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -152,6 +153,8 @@ class NpuRoceTransport final : public Transport {
                    size_t len, const std::shared_ptr<Request>& r, uint8_t dtype = 0, uint8_t redop = 0,
                    uint8_t flags = 0);
   int take_scratch(const Deadline& dl);
+  // A message cut short after `posted` of `len` bytes: fails the pair (see .cpp).
+  Status cut_short(int peer, size_t posted, size_t len, const Status& st);
   void poll(int peer);
   void complete_op(int peer, const hal::abi::rdma::Cqe& c);
   void deliver(int peer, const hal::abi::rdma::Cqe& c);
@@ -186,6 +189,7 @@ class NpuRoceTransport final : public Transport {
   std::vector<int> _scratch_free;
   std::map<uint64_t, Op> _ops;            // by wr_id
   std::map<uint64_t, uint8_t> _sync_done;  // wr_id -> WcStatus a synchronous wait collects
+  std::set<uint64_t> _sync_abandoned;      // synchronous requests whose wait timed out
   std::deque<std::pair<int, hal::abi::rdma::Cqe>> _rx;  // receive completions reaped while posting
   Status _lost;  // !ok: the device is gone
 };

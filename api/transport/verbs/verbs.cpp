@@ -568,7 +568,9 @@ void VerbsTransport::complete_op(uint64_t id, const ibv_wc& wc) {
   }
   if (op.own_mr != nullptr) ::ibv_dereg_mr(op.own_mr);
   if (op.scratch >= 0) {
-    if (!failed && op.result != nullptr)
+    // (Not into a request already ended: a cancel gave up on it, and its
+    // caller may have returned.)
+    if (!failed && op.result != nullptr && (op.r == nullptr || !op.r->done()))
       *op.result = std::atomic_ref<uint64_t>(_scratch[static_cast<size_t>(op.scratch)]).load(std::memory_order_acquire);
     _scratch_free.push_back(op.scratch);
   }
