@@ -486,7 +486,16 @@ void NpuRoceTransport::lose(const Status& why) {
   for (auto& [id, op] : _ops)
     if (op.r && !op.r->done()) op.r->complete(HCOMM_ERR_DEVICE, _lost.message());
   _ops.clear();
-  for (RPeer& p : _peers) p.up = false;
+  // Every pair is gone with the engine, and with it the only way to those
+  // ranks: the context fails them (their sends, pulls and queued control
+  // messages would otherwise wait for a lane that never comes back, and a
+  // FIN to one would hold up the control messages queued behind it).
+  for (int r = 0; r < _size; ++r) {
+    RPeer& p = _peers[static_cast<size_t>(r)];
+    if (!p.up) continue;
+    p.up = false;
+    if (r != _rank) _sink.on_peer_failed(r, _lost.message());
+  }
 }
 
 // ---- memory ---------------------------------------------------------------------------------
