@@ -309,7 +309,13 @@ void NpuRoceTransport::poll(int peer) {
 }
 
 uint64_t NpuRoceTransport::progress_mark(int peer) {
-  uint64_t m = peer >= 0 && peer < _size ? _peers[static_cast<size_t>(peer)].completions : 0;
+  if (peer < 0 || peer >= _size) return 0;
+  const RPeer& p = _peers[static_cast<size_t>(peer)];
+  uint64_t m = p.completions;
+  // The port's frames count only while this pair has work in flight (a long
+  // transfer on a lossy wire): they also move with other pairs' traffic, which
+  // would keep a cancel waiting on a stopped peer forever.
+  if (p.posted == p.retired) return m;
   hal::npu::NetInfo ni;
   if (_lost.is_ok() && _dev.net_info(&ni))
     m += ni.counters[abi::net_counter::TX_FRAMES] + ni.counters[abi::net_counter::RX_FRAMES];
