@@ -764,42 +764,35 @@ TEST_P(Api, TimedOutPutWaitsForItsDmaBeforeReturning) {
     auto keys = exchange_keys(ctx, w, 12);
     auto* lp = static_cast<uint8_t*>(hcomm_mem_ptr(l));
     auto* wp = static_cast<uint8_t*>(hcomm_mem_ptr(w));
-    for (size_t i = 0; i < s; ++i) lp[i] = pattern(me, s, i);
-    RCHECK_OK(hcomm_barrier(ctx, T));
-    if (me == 0) {
-      RCHECK(sim->control("stall 0 400") == "ok");  // rank 0 drives device 0
-      auto t0 = std::chrono::steady_clock::now();
-      hcomm_status_t st = hcomm_put(ctx, lp, s, keys[right], 0, 50);
-      const auto ms =
-          std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
-      RCHECK(st == HCOMM_OK) << "ran to its end after the timeout: " << hcomm_strerror(st) << " " << hcomm_last_error();
-      RCHECK(ms >= 300) << "returned after " << ms << " ms, before the stalled DMA could have finished";
-    } else {
-      RCHECK_OK(hcomm_put(ctx, lp, s, keys[right], 0, T));
+    // A stall within the cancel bound (about 1 s here), then one past it:
+    // giving up on the peer would not stop the engine, so the put still
+    // waits for it.
+    struct Round {
+      const char* stall;
+      long min_ms;
+      size_t seed;
+    };
+    for (const Round& round : {Round{"stall 0 400", 300, s}, Round{"stall 0 2500", 2000, s + 1}}) {
+      for (size_t i = 0; i < s; ++i) lp[i] = pattern(me, round.seed, i);
+      RCHECK_OK(hcomm_barrier(ctx, T));
+      if (me == 0) {
+        RCHECK(sim->control(round.stall) == "ok");  // rank 0 drives device 0
+        auto t0 = std::chrono::steady_clock::now();
+        hcomm_status_t st = hcomm_put(ctx, lp, s, keys[right], 0, 50);
+        const auto ms =
+            std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+        RCHECK(st == HCOMM_OK) << round.stall << ": ran to its end after the timeout: " << hcomm_strerror(st) << " "
+                               << hcomm_last_error();
+        RCHECK(ms >= round.min_ms) << round.stall << ": returned after " << ms
+                                   << " ms, before the stalled DMA could have finished";
+      } else {
+        RCHECK_OK(hcomm_put(ctx, lp, s, keys[right], 0, T));
+      }
+      std::memset(lp, kCanary, s);  // reused at once: the engine must be done with it
+      RCHECK_OK(hcomm_barrier(ctx, T));
+      for (size_t i = 0; i < s; ++i) RCHECK(wp[i] == pattern(left, round.seed, i)) << round.stall << ": byte " << i;
+      RCHECK_OK(hcomm_barrier(ctx, T));
     }
-    std::memset(lp, kCanary, s);  // reused at once: the engine must be done with it
-    RCHECK_OK(hcomm_barrier(ctx, T));
-    for (size_t i = 0; i < s; ++i) RCHECK(wp[i] == pattern(left, s, i)) << "byte " << i;
-    RCHECK_OK(hcomm_barrier(ctx, T));
-    // A stall longer than the cancel bound (about 1 s here): giving up on
-    // the peer would not stop the engine, so the put still waits for it.
-    for (size_t i = 0; i < s; ++i) lp[i] = pattern(me, s + 1, i);
-    RCHECK_OK(hcomm_barrier(ctx, T));
-    if (me == 0) {
-      RCHECK(sim->control("stall 0 2500") == "ok");
-      auto t0 = std::chrono::steady_clock::now();
-      hcomm_status_t st = hcomm_put(ctx, lp, s, keys[right], 0, 50);
-      const auto ms =
-          std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
-      RCHECK(st == HCOMM_OK) << "ran to its end after the timeout: " << hcomm_strerror(st) << " " << hcomm_last_error();
-      RCHECK(ms >= 2000) << "returned after " << ms << " ms, before the stalled DMA could have finished";
-    } else {
-      RCHECK_OK(hcomm_put(ctx, lp, s, keys[right], 0, T));
-    }
-    std::memset(lp, kCanary, s);
-    RCHECK_OK(hcomm_barrier(ctx, T));
-    for (size_t i = 0; i < s; ++i) RCHECK(wp[i] == pattern(left, s + 1, i)) << "byte " << i << " (long stall)";
-    RCHECK_OK(hcomm_barrier(ctx, T));
     release_keys(keys);
     RCHECK_OK(hcomm_mem_release(w));
     RCHECK_OK(hcomm_mem_release(l));
