@@ -105,6 +105,20 @@ class AmSink {
   virtual void on_implicit_failed(int peer, hcomm_status_t st, const std::string& why) = 0;
 };
 
+// A message whose later part could not be posted (its pair failed, or the
+// queue stayed full past the deadline) after `posted` of its `len` bytes:
+// what is posted runs on while the call returns, so the pair fails (its
+// queue pair to error: the engine stops touching the buffers) and the
+// caller learns it. Nothing posted yet: `st` as it is. (verbs, npu_roce)
+inline Status cut_short(AmSink& sink, bool pair_up, const char* lane, int peer, size_t posted, size_t len,
+                        const Status& st) {
+  if (posted == 0) return st;
+  Status cut = Status::error(Code::peer_failure, "%s: a message to rank %d cut short after %zu of %zu bytes: %s", lane,
+                             peer, posted, len, st.message().c_str());
+  if (pair_up) sink.on_peer_failed(peer, cut.message());
+  return cut;
+}
+
 // One remote-memory operation on an already-checked key.
 enum class Rma { put, get, acc, fetch_add, cswap, notify };
 struct RmaOp {

@@ -262,23 +262,11 @@ Status NpuRoceTransport::post_data(int peer, WrOp opc, uint64_t laddr, uint32_t 
     Status st = post(peer, w, std::move(op));
     if (!st) {
       --r->outstanding;
-      return cut_short(peer, off, len, st);
+      return cut_short(_sink, _peers[static_cast<size_t>(peer)].up, "npu_roce", peer, off, len, st);
     }
     off += n;
   } while (off < len);
   return Status::ok();
-}
-
-// A message whose later part could not be posted (the pair failed, or the
-// ring or scratch words stayed full for 30 s): what is posted runs on and
-// the call returns, so the pair fails (its queue pair to ERR: the engine
-// stops touching the buffers) and the caller learns it. As verbs does.
-Status NpuRoceTransport::cut_short(int peer, size_t posted, size_t len, const Status& st) {
-  if (posted == 0) return st;
-  Status cut = Status::error(Code::peer_failure, "npu_roce: a message to rank %d cut short after %zu of %zu bytes: %s",
-                             peer, posted, len, st.message().c_str());
-  if (_peers[static_cast<size_t>(peer)].up) _sink.on_peer_failed(peer, cut.message());
-  return cut;
 }
 
 int NpuRoceTransport::take_scratch(const Deadline& dl) {
@@ -670,7 +658,9 @@ Status NpuRoceTransport::rma(const RmaOp& a, const std::shared_ptr<Request>& r) 
       // Placed after the data: the responder runs a queue pair's WRITEs in PSN order.
       if (a.notify_rkey != nullptr) {
         Status st = write_word(a.notify_rkey->roce_iova + a.notify_off, a.notify_rkey->roce_key, a.notify_value, 0);
-        return st ? st : cut_short(k.peer, a.len, a.len + 8, st);  // (the data is posted: the word is its last part)
+        // (The data is posted: the word is its last part.)
+        const bool up = _peers[static_cast<size_t>(k.peer)].up;
+        return st ? st : cut_short(_sink, up, "npu_roce", k.peer, a.len, a.len + 8, st);
       }
       return Status::ok();
     case Rma::get: return post_data(k.peer, WrOp::READ, laddr, lkey, raddr, k.roce_key, a.len, r, 0, 0, fence);

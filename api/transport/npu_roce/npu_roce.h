@@ -153,8 +153,6 @@ class NpuRoceTransport final : public Transport {
                    size_t len, const std::shared_ptr<Request>& r, uint8_t dtype = 0, uint8_t redop = 0,
                    uint8_t flags = 0);
   int take_scratch(const Deadline& dl);
-  // A message cut short after `posted` of `len` bytes: fails the pair (see .cpp).
-  Status cut_short(int peer, size_t posted, size_t len, const Status& st);
   void poll(int peer);
   void complete_op(int peer, const hal::abi::rdma::Cqe& c);
   void deliver(int peer, const hal::abi::rdma::Cqe& c);

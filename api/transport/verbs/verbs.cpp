@@ -510,15 +510,9 @@ Status VerbsTransport::post_rdma(int peer, ibv_wr_opcode opc, void* local, uint3
     Status st = post(peer, wr, std::move(op), sig);
     if (!st) {
       if (!implicit) --r->outstanding;
-      // Earlier pieces are posted (a message longer than _max_msg): it cannot
-      // complete, and they may still read or write through `own_mr`. The pair
-      // fails (its queue pair goes to error: the NIC stops touching memory)
-      // before the registration is released.
-      if (off > n) {
-        st = Status::error(Code::peer_failure, "verbs: a message to rank %d cut short after %zu of %zu bytes: %s", peer,
-                           off - n, len, st.message().c_str());
-        if (p.up) _sink.on_peer_failed(peer, st.message());
-      }
+      // Earlier pieces (a message longer than _max_msg) may still read or
+      // write through `own_mr`: their pair fails before it is released.
+      st = cut_short(_sink, p.up, "verbs", peer, off - n, len, st);
       if (own_mr != nullptr) ::ibv_dereg_mr(own_mr);
       return st;
     }
