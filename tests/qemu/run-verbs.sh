@@ -7,17 +7,17 @@
 #             dtype and size up to 64 MiB (rendezvous by READ below 128 KiB, by
 #             WRITE from there; the two-sided cases again with HCOMM_RNDV=get and
 #             =put: every size by READ, by WRITE), asserting verbs serves every peer
-#             and that rxe's counters moved; put/get, send/recv (both rendezvous),
-#             accumulate and put_notify again with HCOMM_IB_MAX_MSG=65536, so
-#             messages are split into pieces, more than a send queue holds;
-#             and, as an unprivileged user with
+#             and that rxe's counters moved; the 2-rank runs (and the one by WRITE)
+#             with HCOMM_IB_MAX_MSG=65536, so their messages are split into
+#             pieces, more than a send queue holds (the 4-rank run splits at
+#             rxe's 8 MiB); and, as an unprivileged user with
 #             a 64 KiB RLIMIT_MEMLOCK, init failing with a message naming it;
 #             and hcomm-probe seeing the QEMU TCG guest (whose busy polls run
 #             without the pause hint, common/barrier.h);
 #   pair      two guests = two hosts, ranks on both (torchrun-style
 #             MASTER_ADDR = the first guest): the conformance suite at 2 and 4
 #             ranks (sizes up to 1 MiB: TCG moves a few MB/s between guests),
-#             the four examples, and a silent peer (netem loss 100% on one
+#             the four examples (parameter_server on 256 KiB of weights), and a silent peer (netem loss 100% on one
 #             guest) noticed as peer failure within the keepalive bound, and
 #             again while a put is in flight, with HCOMM_IB_TIMEOUT=13,
 #             HCOMM_IB_RETRY=3 and a 60 s keepalive: the queue pair's retries
@@ -46,6 +46,11 @@ shift
 modes=("$@")
 [ ${#modes[@]} -gt 0 ] || modes=(loopback pair netem)
 export HCOMM_RDMA_FILES="$build/tests/integration_api_conformance $build/tests/integration_transports $build/tools/hcomm-probe $build/examples/point_to_point $build/examples/put_get $build/examples/parameter_server $build/examples/pipeline"
+# The guest image once for every mode (run-rdma.sh would rebuild it per run),
+# from the cache run-rdma.sh uses.
+export HCOMM_QEMU_CACHE=${HCOMM_QEMU_CACHE:-$build/qemu-guest/cache}
+bash "$here/build-guest.sh" "$build" "${HCOMM_RDMA_GUEST:-$build/qemu-rdma-guest}" rdma
+export HCOMM_RDMA_BUILT=1
 rc=0
 for m in "${modes[@]}"; do
   start=$(date +%s)
