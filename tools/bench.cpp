@@ -293,12 +293,15 @@ class Bench {
     size_t max = *std::max_element(o.sizes.begin(), o.sizes.end());
     _max = (max + 63) & ~size_t{63};
     // Two regions: [0, _max) is where the peer writes into us / reads from
-    // us; [_max, 2*_max) is our local source / destination. Then 64 bytes of
-    // flags (notify word at +0, ack word at +8, fetch-add word at +16,
-    // --passive spin's end-of-test word at +24).
-    _mem = _c.alloc(2 * _max + 64, o.mem_kind);
+    // us; [_max, 2*_max) is our local source / destination. Then the flags
+    // (notify word at +0, ack word at +8, fetch-add word at +16) and, a page
+    // further, --passive spin's end-of-test word at +kSpinWord: the polling
+    // target reads a page the peer's fetch_add does not touch, as
+    // ucx_perftest's target polls its send buffer while its peer's atomics
+    // hit its receive buffer.
+    _mem = _c.alloc(2 * _max + kSpinWord + 64, o.mem_kind);
     _flags = 2 * _max;
-    std::memset(_mem.data(), 0, 2 * _max + 64);
+    std::memset(_mem.data(), 0, 2 * _max + kSpinWord + 64);
     exchange_keys(_mem, &_key);
   }
 
@@ -439,13 +442,13 @@ class Bench {
         bt.end(i, 2);
       }
     } else if ((t == "get" || t == "acc" || t == "fetch_add") && (init || (target && _o.passive_spin))) {
-      // --passive spin: the target polls the word at _flags + 24 until the
+      // --passive spin: the target polls the word at _flags + kSpinWord until the
       // initiator's last put (after the timed loop) writes this test's number,
       // so its CPU stays busy as ucx_perftest's target's does; otherwise it
       // waits in the barrier below.
       const uint64_t done = ++_tests_run;
       if (target) {
-        auto w = word(_flags + 24);
+        auto w = word(_flags + kSpinWord);
         spin_until(w, done);
       } else {
         uint64_t old = 0;
@@ -460,7 +463,8 @@ class Bench {
         }
         if (_o.passive_spin) {
           std::memcpy(local(), &done, 8);
-          hcomm::check(hcomm_put(c, local(), 8, _key[_peer].get(), _flags + 24, kTimeoutMs), "put (end of test)");
+          hcomm::check(hcomm_put(c, local(), 8, _key[_peer].get(), _flags + kSpinWord, kTimeoutMs),
+                     "put (end of test)");
         }
       }
     }
@@ -717,6 +721,7 @@ class Bench {
   const Options& _o;
   int _rank = 0, _size = 1, _peer = 1;
   size_t _max = 0;
+  static constexpr uint64_t kSpinWord = 4096;
   uint64_t _flags = 0;
   uint64_t _tests_run = 0;  // --passive spin: the value that ends the target's poll
   uint64_t _key_seq = 0;
