@@ -12,6 +12,7 @@
 #       perftest, then UCX, -n 1000 each; hcomm with --batch 1: the median of single
 #       iterations, as perftest and UCX report), so that each round's ratios pair tools
 #       measured seconds apart; the table gives every round's ratio and their median
+#       with its 95% confidence interval (order statistics; from 6 rounds)
 #       (HCOMM_LAT_ENV="VAR=VALUE ..." is set for hcomm's rounds only, e.g. to try a knob).
 #       HCOMM_LAT_BASE=FILE: an hcomm-bench built from another commit, linked statically
 #       (meson setup B --buildtype=release -Ddefault_library=static; ninja -C B tools/hcomm-bench),
