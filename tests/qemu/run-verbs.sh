@@ -17,8 +17,9 @@
 #   pair      two guests = two hosts, ranks on both (torchrun-style
 #             MASTER_ADDR = the first guest): the conformance suite at 2 and 4
 #             ranks (sizes up to 1 MiB: TCG moves a few MB/s between guests),
-#             the four examples (parameter_server on 256 KiB of weights), and a silent peer (netem loss 100% on one
-#             guest) noticed as peer failure within the keepalive bound, and
+#             the four examples (parameter_server on 256 KiB of weights), and a
+#             silent peer (netem loss 100% on one guest) noticed as peer
+#             failure within the keepalive bound (+ 5 s of slack), and
 #             again while a put is in flight, with HCOMM_IB_TIMEOUT=13,
 #             HCOMM_IB_RETRY=3 and a 60 s keepalive: the queue pair's retries
 #             end it within 4.096 us x 2^13 x 4 = 134 ms (+ 300 ms); the same
