@@ -873,7 +873,8 @@ TEST_P(Api, SenderDyingMidCopyLeavesTheReturnedReceiveAlone) {
         hcomm_mem_t* m;
         RCHECK_OK(hcomm_mem_alloc(ctx, s, HCOMM_MEM_HOST, HCOMM_ACCESS_ALL, &m));
         auto* p = static_cast<uint8_t*>(hcomm_mem_ptr(m));
-        for (size_t i = 0; i < s; ++i) p[i] = me == sender ? pattern(me, s, i) : 0;
+        if (me == sender) fill_pattern(p, me, s, s);
+        else std::memset(p, 0, s);
         constexpr int kStallMs = 800;
         RCHECK_OK(hcomm_barrier(ctx, T));
         // The next descriptor device 0 takes is rank 0's claim (rank 0 drives
@@ -895,8 +896,7 @@ TEST_P(Api, SenderDyingMidCopyLeavesTheReturnedReceiveAlone) {
           const auto ms =
               std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
           const std::string why = hcomm_last_error();
-          bool whole = true;
-          for (size_t i = 0; i < s && whole; ++i) whole = p[i] == pattern(sender, s, i);
+          const bool whole = pattern_mismatch(p, sender, s, s) == s;
           std::memset(p, kCanary, s);  // the call returned: the buffer is the caller's again
           std::this_thread::sleep_for(std::chrono::milliseconds(kStallMs + 200));  // any late copy lands by now
           bool kept = true;
@@ -1043,31 +1043,35 @@ TEST_P(Api, ImplicitPutGetCompleteAtFlush) {
     auto* lp = static_cast<uint8_t*>(hcomm_mem_ptr(l));
     auto* wp = static_cast<uint8_t*>(hcomm_mem_ptr(w));
     const int right = (me + 1) % n, left = (me + n - 1) % n;
-    for (size_t i = 0; i < kChunk * kChunks; ++i) lp[i] = pattern(me, 77, i);
+    fill_pattern(lp, me, 77, kChunk * kChunks);
     for (size_t c = 0; c < kChunks; ++c) RCHECK_OK(hcomm_put_nbi(ctx, lp + c * kChunk, kChunk, keys[right], c * kChunk));
     RCHECK_OK(hcomm_flush(ctx, right, T));
     RCHECK_OK(hcomm_flush(ctx, -1, T));  // nothing left: at once
     RCHECK_OK(hcomm_barrier(ctx, T));
-    for (size_t i = 0; i < kChunk * kChunks; ++i) RCHECK(wp[i] == pattern(left, 77, i)) << "put_nbi byte " << i;
+    RCHECK(pattern_mismatch(wp, left, 77, kChunk * kChunks) == kChunk * kChunks)
+        << "put_nbi byte " << pattern_mismatch(wp, left, 77, kChunk * kChunks);
     RCHECK_OK(hcomm_barrier(ctx, T));
     std::memset(lp, 0, kChunk * kChunks);
     for (size_t c = 0; c < kChunks; ++c) RCHECK_OK(hcomm_get_nbi(ctx, lp + c * kChunk, kChunk, keys[right], c * kChunk));
     RCHECK_OK(hcomm_flush(ctx, -1, T));
-    for (size_t i = 0; i < kChunk * kChunks; ++i) RCHECK(lp[i] == pattern(me, 77, i)) << "get_nbi byte " << i;
+    RCHECK(pattern_mismatch(lp, me, 77, kChunk * kChunks) == kChunk * kChunks)
+        << "get_nbi byte " << pattern_mismatch(lp, me, 77, kChunk * kChunks);
     // More small ones than a send queue holds (verbs: 255 entries, most of
     // them unsignalled, retired by the few that are), then one flush.
     constexpr size_t kSmall = 8, kMany = 700;
     static_assert(kSmall * kMany <= kChunk * kChunks);
     RCHECK_OK(hcomm_barrier(ctx, T));
-    for (size_t i = 0; i < kSmall * kMany; ++i) lp[i] = pattern(me, 91, i);
+    fill_pattern(lp, me, 91, kSmall * kMany);
     for (size_t j = 0; j < kMany; ++j) RCHECK_OK(hcomm_put_nbi(ctx, lp + j * kSmall, kSmall, keys[right], j * kSmall));
     RCHECK_OK(hcomm_flush(ctx, -1, T));
     RCHECK_OK(hcomm_barrier(ctx, T));
-    for (size_t i = 0; i < kSmall * kMany; ++i) RCHECK(wp[i] == pattern(left, 91, i)) << "small put_nbi byte " << i;
+    RCHECK(pattern_mismatch(wp, left, 91, kSmall * kMany) == kSmall * kMany)
+        << "small put_nbi byte " << pattern_mismatch(wp, left, 91, kSmall * kMany);
     std::memset(lp, 0, kSmall * kMany);
     for (size_t j = 0; j < kMany; ++j) RCHECK_OK(hcomm_get_nbi(ctx, lp + j * kSmall, kSmall, keys[right], j * kSmall));
     RCHECK_OK(hcomm_flush(ctx, right, T));
-    for (size_t i = 0; i < kSmall * kMany; ++i) RCHECK(lp[i] == pattern(me, 91, i)) << "small get_nbi byte " << i;
+    RCHECK(pattern_mismatch(lp, me, 91, kSmall * kMany) == kSmall * kMany)
+        << "small get_nbi byte " << pattern_mismatch(lp, me, 91, kSmall * kMany);
     RCHECK_OK(hcomm_barrier(ctx, T));
     RCHECK_EQ_STATUS(hcomm_put_nbi(ctx, lp, 16, keys[right], kChunk * kChunks - 8), HCOMM_ERR_OUT_OF_RANGE);
     RCHECK_EQ_STATUS(hcomm_get_nbi(ctx, lp, 8, nullptr, 0), HCOMM_ERR_INVALID);
