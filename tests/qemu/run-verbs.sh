@@ -47,10 +47,12 @@ shift
 modes=("$@")
 [ ${#modes[@]} -gt 0 ] || modes=(loopback pair netem)
 export HCOMM_RDMA_FILES="$build/tests/integration_api_conformance $build/tests/integration_transports $build/tools/hcomm-probe $build/examples/point_to_point $build/examples/put_get $build/examples/parameter_server $build/examples/pipeline"
-# The guest image once for every mode (run-rdma.sh would rebuild it per run),
-# from the cache run-rdma.sh uses.
+# The guest image once for every mode (run-rdma.sh would rebuild it per run):
+# the cache and the image directory are exported, so run-rdma.sh boots what
+# was built here.
 export HCOMM_QEMU_CACHE=${HCOMM_QEMU_CACHE:-$build/qemu-guest/cache}
-bash "$here/build-guest.sh" "$build" "${HCOMM_RDMA_GUEST:-$build/qemu-rdma-guest}" rdma
+export HCOMM_RDMA_GUEST=${HCOMM_RDMA_GUEST:-$build/qemu-rdma-guest}
+bash "$here/build-guest.sh" "$build" "$HCOMM_RDMA_GUEST" rdma
 export HCOMM_RDMA_BUILT=1
 rc=0
 for m in "${modes[@]}"; do
